@@ -1,0 +1,313 @@
+"""Reading a configuration file and turning every fault into a ``ConfigError`` that names its key.
+
+pydantic reports a fault as a location tuple and a message written for Python programmers
+("Input should be a valid integer").  An operator edits TOML, so each fault is restated as
+the dotted key they would look for (``zones.bulk.connections``, with TOML quoting for zone
+names that contain dots) and a sentence about TOML values.  All faults are reported at once:
+fixing a config one start-up attempt at a time is slow.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import tomllib
+import types
+from collections.abc import Callable, Iterator, Mapping
+from datetime import date, datetime, time
+from importlib import resources
+from pathlib import Path
+from typing import Any, Final, NamedTuple, Union, get_args, get_origin
+
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
+
+from zoneq.config.model import PROBLEMS_ERROR_TYPE, Config
+from zoneq.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_CONFIG_NAME",
+    "InvalidConfig",
+    "Problem",
+    "check_config",
+    "default_config_text",
+    "dotted_key",
+    "load_config",
+    "loads_config",
+    "problems_from",
+    "toml_string",
+    "validate_config",
+]
+
+DEFAULT_CONFIG_NAME: Final = "default.toml"
+"""The embedded default configuration, a resource of this package."""
+
+_BARE_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
+_SUGGESTION_CUTOFF: Final = 0.6
+
+
+class Problem(NamedTuple):
+    """One fault: the dotted key (empty for faults of the whole file) and what is wrong."""
+
+    key: str
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.text}" if self.key else self.text
+
+
+class InvalidConfig(ConfigError):
+    """A configuration with one or more faults.
+
+    ``key`` and ``problem`` describe the first fault, as for any ``ConfigError``;
+    ``problems`` holds all of them and the message lists them one per line.
+    """
+
+    def __init__(self, problems: list[Problem], source: str) -> None:
+        first = problems[0]
+        super().__init__(first.key, first.text)
+        self.args = ("\n".join(str(p) for p in problems),)
+        self.problems: tuple[Problem, ...] = tuple(problems)
+        self.source = source
+
+    # Exceptions are rebuilt from ``args`` when unpickled (as when a worker process reports
+    # one to its parent), and ``args`` here is the joined message, not our parameters.
+    def __reduce__(self) -> tuple[type[InvalidConfig], tuple[list[Problem], str]]:
+        return (type(self), (list(self.problems), self.source))
+
+
+def default_config_text() -> str:
+    """The text of the embedded default configuration."""
+    return resources.files("zoneq.config").joinpath(DEFAULT_CONFIG_NAME).read_text(encoding="utf-8")
+
+
+def load_config(path: Path | None = None) -> Config:
+    """Read, parse and validate the configuration at ``path`` (the embedded default if None).
+
+    Raises ``ConfigError`` if the file cannot be read, and ``InvalidConfig`` (a
+    ``ConfigError``) listing every fault if it is not valid TOML or not a valid config.
+    """
+    if path is None:
+        return loads_config(default_config_text(), source=f"<embedded {DEFAULT_CONFIG_NAME}>")
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError("", f"config file {str(path)!r} does not exist") from None
+    except OSError as exc:
+        raise ConfigError("", f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        # TOML files are UTF-8 by definition; give the offset so the byte can be found.
+        raise ConfigError(
+            "", f"config file {str(path)!r} is not UTF-8 (bad byte at offset {exc.start})"
+        ) from None
+    return loads_config(text, source=str(path))
+
+
+def loads_config(text: str, source: str = "<string>") -> Config:
+    """Parse and validate configuration text; ``source`` names it in messages."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        # The message already ends "(at line L, column C)".
+        raise InvalidConfig([Problem("", f"{source}: invalid TOML: {exc}")], source) from None
+    return validate_config(data, source)
+
+
+def validate_config(data: Mapping[str, Any], source: str = "<data>") -> Config:
+    """Validate already-parsed configuration data (as ``tomllib`` returns it)."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidConfig(problems_from(exc), source) from None
+
+
+def check_config(path: Path | None = None) -> list[str]:
+    """Every fault of the configuration at ``path`` as one line each; empty when it is valid."""
+    try:
+        load_config(path)
+    except InvalidConfig as exc:
+        return [str(p) for p in exc.problems]
+    except ConfigError as exc:
+        return [str(exc)]
+    return []
+
+
+def problems_from(exc: ValidationError) -> list[Problem]:
+    """Restate pydantic's errors as dotted keys and operator-facing sentences."""
+    problems: list[Problem] = []
+    for error in exc.errors(include_url=False):
+        loc = tuple(error["loc"])
+        ctx = error.get("ctx") or {}
+        if error["type"] == PROBLEMS_ERROR_TYPE:
+            # A model-level check that named the keys at fault itself.
+            problems.extend(Problem(dotted_key(loc + tuple(k)), t) for k, t in ctx["problems"])
+        else:
+            problems.append(Problem(dotted_key(loc), _describe(error)))
+    return problems
+
+
+def dotted_key(loc: tuple[int | str, ...]) -> str:
+    """``("zones", "mx.example", "retry")`` -> ``zones."mx.example".retry`` (TOML key syntax).
+
+    pydantic adds ``[key]`` to the location of a fault in a dict key; the key itself is
+    the part before it, so the marker is dropped.
+    """
+    out = ""
+    for part in loc:
+        if part == "[key]":
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        name = part if _BARE_KEY.fullmatch(part) else toml_string(part)
+        out = f"{out}.{name}" if out else name
+    return out
+
+
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string, as it could be pasted back into the file.
+
+    Not ``json.dumps``: it writes characters beyond U+FFFF as surrogate-pair escapes,
+    which TOML refuses, and leaves DEL unescaped, which TOML also refuses.
+    """
+    out = []
+    for char in text:
+        if char in _ESCAPES:
+            out.append(_ESCAPES[char])
+        elif char < " " or char == "\x7f":
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(char)
+    return '"' + "".join(out) + '"'
+
+
+_ESCAPES: Final[dict[str, str]] = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+
+
+def _describe(error: ErrorDetails) -> str:
+    kind = error["type"]
+    ctx = error.get("ctx") or {}
+    got = _toml_value(error["input"])
+    if kind == "extra_forbidden":
+        return _unknown_key(tuple(error["loc"]))
+    if kind in _EXPECTED:
+        return f"expected {_EXPECTED[kind]}, got {got}"
+    if kind in _BOUNDS:
+        word, bound = _BOUNDS[kind]
+        return f"must be {ctx[bound]} or {word}, got {got}"
+    if kind == "value_error" and "error" in ctx:
+        return str(ctx["error"])
+    # "missing" and our own PydanticCustomErrors (durations, zone names, retry schedules)
+    # already read well; anything else is rare enough that pydantic's wording will do.
+    return _PLAIN.get(kind, error["msg"])
+
+
+_EXPECTED: Final[dict[str, str]] = {
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "string_type": "a string",
+    "path_type": "a path string",
+    "model_type": "a table",
+    "model_attributes_type": "a table",
+    "dict_type": "a table",
+    "list_type": "an array",
+}
+
+_BOUNDS: Final[dict[str, tuple[str, str]]] = {
+    "greater_than_equal": ("more", "ge"),
+    "greater_than": ("more", "gt"),
+    "less_than_equal": ("less", "le"),
+    "less_than": ("less", "lt"),
+}
+
+_PLAIN: Final[dict[str, str]] = {
+    "missing": "required key is missing",
+}
+
+# Checked in order: bool before int, since a Python bool is also an int.
+_TOML_TYPES: Final[tuple[tuple[type, Callable[[Any], str]], ...]] = (
+    (bool, lambda v: f"boolean {str(v).lower()}"),
+    (int, lambda v: f"integer {v}"),
+    (float, lambda v: f"float {v}"),
+    (str, lambda v: f"string {toml_string(v)}"),
+    (dict, lambda _: "a table"),
+    (list, lambda _: "an array"),
+    # datetime before date: a datetime is also a date.
+    (datetime, lambda v: f"date-time {v.isoformat()}"),
+    (date, lambda v: f"date {v.isoformat()}"),
+    (time, lambda v: f"time {v.isoformat()}"),
+)
+
+
+def _toml_value(value: object) -> str:
+    """Name a parsed TOML value the way the operator wrote it."""
+    for kind, render in _TOML_TYPES:
+        if isinstance(value, kind):
+            return render(value)
+    return repr(value)
+
+
+def _unknown_key(loc: tuple[int | str, ...]) -> str:
+    known = _known_keys(loc[:-1])
+    if not known:
+        return "unknown key"
+    wrong = str(loc[-1])
+    close = difflib.get_close_matches(wrong, known, n=1, cutoff=_SUGGESTION_CUTOFF)
+    if close:
+        return f"unknown key (did you mean {close[0]!r}?)"
+    return f"unknown key; known keys here: {', '.join(known)}"
+
+
+def _known_keys(loc: tuple[int | str, ...]) -> list[str]:
+    """The keys the model at ``loc`` accepts, found by walking the schema along ``loc``."""
+    node: Any = Config
+    for part in loc:
+        model = _model_in(node)
+        if model is None:
+            # A dict (zones): the part is a name chosen by the operator; step to the values.
+            node = _dict_value_type(node)
+            if node is None:
+                return []
+            continue
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        node = field.annotation
+    model = _model_in(node)
+    return list(model.model_fields) if model is not None else []
+
+
+def _model_in(node: Any) -> type[BaseModel] | None:
+    for candidate in _flatten(node):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _dict_value_type(node: Any) -> Any:
+    for candidate in _flatten(node):
+        if get_origin(candidate) is dict:
+            return get_args(candidate)[1]
+    return None
+
+
+def _flatten(node: Any) -> Iterator[Any]:
+    """The alternatives of a union (``X | None``), or the node itself."""
+    if get_origin(node) in (Union, types.UnionType):
+        for arg in get_args(node):
+            yield from _flatten(arg)
+    else:
+        yield node

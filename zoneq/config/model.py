@@ -1,0 +1,317 @@
+"""The configuration schema: one frozen pydantic model per TOML table.
+
+Every model refuses unknown keys (``extra="forbid"``): a misspelt key that is silently
+ignored leaves the default in force, which in a mail server shows up days later as a
+wrong retry policy or an unexpected EHLO name.  Models are also strict: TOML already has
+integers, booleans and strings, so ``connections = "10"`` or ``ipv6 = "yes"`` is a mistake
+worth reporting rather than a value worth coercing.
+
+Durations are kept as the strings the operator wrote (so an effective-config dump reads
+back like the file) and exposed in milliseconds through ``*_ms`` properties, the unit the
+queue and the retry code work in.
+
+Problems that involve more than one key (a max age against its retry schedule, routing
+names against the defined zones) are found by model-level validators, whose errors pydantic
+places at the model rather than at a key.  Those validators raise ``problems_error`` with
+the keys spelt out, and the loader turns each one back into its own dotted key.
+
+Adding a section (IP pools, rate limits, routing rules, plugins) means adding a model here
+and a field on ``Config``; the loader's error mapping is generic over the model tree.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+from typing import Annotated, Final, Self
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from zoneq.protocol.retry import (
+    BOUNCE_MAX_AGE,
+    DEFAULT_MAX_AGE,
+    DEFAULT_SCHEDULE,
+    RetrySchedule,
+    format_duration,
+    parse_duration,
+)
+
+__all__ = [
+    "PROBLEMS_ERROR_TYPE",
+    "Config",
+    "Duration",
+    "HostName",
+    "RoutingConfig",
+    "ServerConfig",
+    "StorageConfig",
+    "ZoneConfig",
+    "ZoneName",
+    "problems_error",
+]
+
+PROBLEMS_ERROR_TYPE: Final = "zoneq_problems"
+"""Error type of ``problems_error``; its context holds ``problems``: (relative key, text) pairs."""
+
+# Loose enough for any retry schedule an operator would write, and still a valid duration,
+# so a retry spec can be checked on its own without its max age interfering.
+_UNBOUNDED_MAX_AGE: Final = "36500d"
+
+_ZONE_NAME: Final = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+# RFC 5321 section 4.1.2: the EHLO argument is a domain (letter-digit-hyphen labels) or an
+# address literal in brackets.  A name outside that grammar is refused by some receivers,
+# so it is cheaper to catch here than in a deferral days later.
+_LABEL: Final = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOST_NAME: Final = re.compile(rf"{_LABEL}(?:\.{_LABEL})*|\[[^\[\]\s]+\]")
+_MAX_HOST_NAME: Final = 253
+
+
+def problems_error(*problems: tuple[tuple[str, ...], str]) -> PydanticCustomError:
+    """An error for a model-level validator that still names the keys at fault.
+
+    ``problems`` are (key path relative to the model, text) pairs.  The loader expands
+    them; anyone reading the raw pydantic error still gets a readable summary.
+    """
+    summary = "; ".join(f"{'.'.join(key)}: {text}" for key, text in problems)
+    return PydanticCustomError(
+        PROBLEMS_ERROR_TYPE, "{summary}", {"summary": summary, "problems": problems}
+    )
+
+
+def _check_duration(value: str) -> str:
+    try:
+        ms = parse_duration(value)
+    except ValueError as exc:
+        raise PydanticCustomError("duration", "{reason}", {"reason": str(exc)}) from None
+    # parse_duration accepts zero; none of the durations configured here means anything
+    # at zero (a zero sweep interval would spin, a zero retention would keep nothing).
+    if ms == 0:
+        raise PydanticCustomError(
+            "duration", "{reason}", {"reason": f"duration must be greater than zero, got {value!r}"}
+        )
+    return value
+
+
+def _check_zone_name(value: str) -> str:
+    if not _ZONE_NAME.fullmatch(value):
+        reason = f"invalid zone name {value!r}: use 1 to 64 letters, digits, '-', '_' or '.'"
+        raise PydanticCustomError("zone_name", "{reason}", {"reason": reason})
+    return value
+
+
+def _check_host_name(value: str) -> str:
+    if len(value) > _MAX_HOST_NAME or not _HOST_NAME.fullmatch(value):
+        reason = (
+            f"invalid host name {value!r}: expected a domain such as 'mx.example.com' "
+            "or an address literal such as '[192.0.2.1]'"
+        )
+        raise PydanticCustomError("host_name", "{reason}", {"reason": reason})
+    return value
+
+
+Duration = Annotated[str, AfterValidator(_check_duration)]
+"""A positive duration in ``parse_duration`` syntax: ``"90"`` (seconds), ``"15m"``, ``"1h30m"``."""
+
+ZoneName = Annotated[str, AfterValidator(_check_zone_name)]
+"""1..64 of letters, digits, ``-``, ``_``, ``.``: safe in log lines, metrics labels and keys."""
+
+HostName = Annotated[str, AfterValidator(_check_host_name)]
+"""A name usable as our EHLO argument: a domain or a bracketed address literal."""
+
+
+class _Section(BaseModel):
+    """Shared settings: unknown keys refused, values immutable, no type coercion."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class ServerConfig(_Section):
+    """``[server]``: who we are and where the queue lives."""
+
+    hostname: HostName | None = None
+    """EHLO and Reporting-MTA name; None means the machine's FQDN, looked up at start-up."""
+
+    # Not strict: TOML has no path type, so the path arrives as a string.
+    data_dir: Annotated[Path, Field(strict=False)] = Path("data/queue")
+    """The LevelDB queue directory; a relative path is relative to the working directory."""
+
+    def resolved_hostname(self) -> str:
+        """The configured hostname, or the machine's FQDN when none is configured.
+
+        Looked up here rather than at validation so that loading (and checking) a config
+        never depends on the resolver of the machine doing the checking.
+        """
+        return self.hostname if self.hostname is not None else socket.getfqdn()
+
+
+class StorageConfig(_Section):
+    """``[storage]``: durability and housekeeping of the queue database."""
+
+    sync_commits: bool = True
+    """fsync the commit that precedes our SMTP 250, so an accepted message survives a crash."""
+
+    chunk_size: Annotated[int, Field(ge=4096, le=1_048_576)] = 65_536
+    """Bytes per stored body chunk."""
+
+    event_retention: Duration = "30d"
+    """How long delivery events are kept."""
+
+    sweep_interval: Duration = "10m"
+    """How often the sweeper looks for expired events and abandoned chunks."""
+
+    receive_timeout: Duration = "10m"
+    """Chunks of a message not committed within this time are swept."""
+
+    @property
+    def event_retention_ms(self) -> int:
+        return parse_duration(self.event_retention)
+
+    @property
+    def sweep_interval_ms(self) -> int:
+        return parse_duration(self.sweep_interval)
+
+    @property
+    def receive_timeout_ms(self) -> int:
+        return parse_duration(self.receive_timeout)
+
+
+class ZoneConfig(_Section):
+    """``[zones.<name>]``: one delivery zone, served by its own worker processes."""
+
+    processes: Annotated[int, Field(ge=1)] = 1
+    """Worker processes for this zone."""
+
+    connections: Annotated[int, Field(ge=1)] = 10
+    """Concurrent outbound SMTP connections per process."""
+
+    retry: str = DEFAULT_SCHEDULE
+    """Retry intervals separated by ``|``; the last one repeats until ``max_age``."""
+
+    max_age: Duration = DEFAULT_MAX_AGE
+    """Age at which a still-undelivered recipient is bounced."""
+
+    ehlo_name: HostName | None = None
+    """EHLO name for this zone; None means ``server.hostname``."""
+
+    ipv6: bool = True
+    """Whether to connect to IPv6 addresses of receiving servers."""
+
+    @field_validator("retry")
+    @classmethod
+    def _check_retry(cls, value: str) -> str:
+        # Checked with a max age that cannot be too short, so that a fault reported here is
+        # a fault of the spec itself; the pair is checked below and blamed on max_age.
+        try:
+            RetrySchedule.parse(value, _UNBOUNDED_MAX_AGE)
+        except ValueError as exc:
+            raise PydanticCustomError("retry_schedule", "{reason}", {"reason": str(exc)}) from None
+        return value
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> Self:
+        try:
+            RetrySchedule.parse(self.retry, self.max_age)
+        except ValueError as exc:
+            text = _max_age_problem(self.retry, self.max_age, exc)
+            raise problems_error((("max_age",), text)) from None
+        return self
+
+    # Parsed on each use rather than cached in a private attribute: parsing costs
+    # microseconds, and a cache would go stale under model_copy(update=...), which does
+    # not re-run validators.
+    @property
+    def schedule(self) -> RetrySchedule:
+        """The parsed retry schedule (intervals and max age, in milliseconds)."""
+        return RetrySchedule.parse(self.retry, self.max_age)
+
+    @property
+    def max_age_ms(self) -> int:
+        return parse_duration(self.max_age)
+
+
+def _max_age_problem(retry: str, max_age: str, exc: ValueError, whose: str = "") -> str:
+    """Say why a max age does not fit a schedule, in the units the operator wrote."""
+    first = RetrySchedule.parse(retry, _UNBOUNDED_MAX_AGE).intervals_ms[0]
+    if parse_duration(max_age) < first:
+        return (
+            f"{max_age!r} is shorter than the first retry interval{whose} "
+            f"({format_duration(first)}), so no retry could ever happen"
+        )
+    # Some other rule of the retry module; its own words are the best we have.
+    return str(exc)
+
+
+class RoutingConfig(_Section):
+    """``[routing]``: which zone a message goes to when nothing else decides."""
+
+    default_zone: ZoneName = "default"
+    """Zone for messages that no routing rule places elsewhere."""
+
+    bounce_zone: ZoneName = "bounces"
+    """Zone that delivers the bounces (DSNs) we generate."""
+
+    bounce_max_age: Duration = BOUNCE_MAX_AGE
+    """Max age of our own bounces; replaces the bounce zone's ``max_age`` for them."""
+
+    @property
+    def bounce_max_age_ms(self) -> int:
+        return parse_duration(self.bounce_max_age)
+
+
+def _no_zones_is_an_error(zones: dict[str, ZoneConfig]) -> dict[str, ZoneConfig]:
+    if not zones:
+        raise PydanticCustomError(
+            "no_zones", "no zones defined: add at least one [zones.<name>] table", {}
+        )
+    return zones
+
+
+class Config(_Section):
+    """The whole configuration file."""
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    # A default (empty) rather than required, so that a file without [zones] gets the
+    # specific message above instead of a bare "missing".
+    zones: Annotated[
+        dict[ZoneName, ZoneConfig],
+        AfterValidator(_no_zones_is_an_error),
+        Field(validate_default=True),
+    ] = Field(default_factory=dict)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+
+    @model_validator(mode="after")
+    def _check_references(self) -> Self:
+        problems: list[tuple[tuple[str, ...], str]] = []
+        for key in ("default_zone", "bounce_zone"):
+            name: str = getattr(self.routing, key)
+            if name not in self.zones:
+                problems.append(
+                    (("routing", key), f"names zone {name!r}, which is not defined in [zones]")
+                )
+        bounce_zone = self.zones.get(self.routing.bounce_zone)
+        if bounce_zone is not None:
+            try:
+                RetrySchedule.parse(bounce_zone.retry, self.routing.bounce_max_age)
+            except ValueError as exc:
+                whose = f" of zone {self.routing.bounce_zone!r}"
+                text = _max_age_problem(bounce_zone.retry, self.routing.bounce_max_age, exc, whose)
+                problems.append((("routing", "bounce_max_age"), text))
+        if problems:
+            raise problems_error(*problems)
+        return self
+
+    @property
+    def bounce_schedule(self) -> RetrySchedule:
+        """Retry schedule for bounces we generate (bounce zone intervals, bounce max age)."""
+        bounce_zone = self.zones[self.routing.bounce_zone]
+        return RetrySchedule.parse(bounce_zone.retry, self.routing.bounce_max_age)
