@@ -1,0 +1,179 @@
+"""Reads and administrators' operations on the queue store: browse, drop, hold, retry."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+from zoneq.errors import NotFound
+from zoneq.protocol.events import Event, EventKind
+from zoneq.protocol.ids import format_id, id_time_ms
+from zoneq.storage import keys
+from zoneq.storage.base import FAMILY_STATE, STATE_FAMILY, QueuedRecipient, StoreBase
+from zoneq.storage.counters import MESSAGES, domain_key, zone_key
+from zoneq.storage.leveldb import Op
+from zoneq.storage.records import (
+    MessageMeta,
+    Recipient,
+    State,
+    decode_head,
+    encode_head,
+)
+
+
+class AdminMixin(StoreBase):
+    def message(self, msg_id: int) -> MessageMeta:
+        key = keys.message_meta(msg_id)
+        value = self._writer.read(key)
+        if value is None:
+            raise NotFound(f"no message {format_id(msg_id)}")
+        return MessageMeta.decode(key, msg_id, value)
+
+    def recipients(self, msg_id: int) -> list[QueuedRecipient]:
+        """Every queued recipient of a message with its state (leased ones as LEASED)."""
+        meta = self.message(msg_id)
+        found: list[QueuedRecipient] = []
+        for zone in meta.zones:
+            for family, state in FAMILY_STATE.items():
+                for key, record in self._records(keys.record_message_prefix(family, zone, msg_id)):
+                    if state is State.READY and key in self._leases:
+                        state_now = State.LEASED
+                    else:
+                        state_now = state
+                    found.append(QueuedRecipient(state_now, record))
+        return found
+
+    def body(self, msg_id: int) -> Iterator[bytes]:
+        """The stored body, chunk by chunk (never the whole message in memory)."""
+        for _, value in self._db.items(prefix=keys.chunk_prefix(msg_id)):
+            yield value
+
+    def chunk(self, msg_id: int, index: int) -> bytes:
+        value = self._writer.read(keys.message_chunk(msg_id, index))
+        if value is None:
+            raise NotFound(f"message {format_id(msg_id)} has no chunk {index}")
+        return value
+
+    def browse(
+        self, zone: str, state: State = State.READY, *, after: bytes | None = None, limit: int = 100
+    ) -> tuple[list[Recipient], bytes | None]:
+        """One page of a zone in key order and the key to pass as ``after`` for the next
+        page (None at the end): any depth costs one seek per page, never a skip from the top.
+        """
+        family = STATE_FAMILY[State.READY if state is State.LEASED else state]
+        prefix = keys.zone_prefix(family, zone)
+        start = prefix if after is None else after + b"\x00"
+        page: list[Recipient] = []
+        last: bytes | None = None
+        for key, record in self._records(prefix, start=start):
+            page.append(record)
+            last = key
+            if len(page) >= limit:
+                return page, last
+        return page, None
+
+    async def drop(self, msg_id: int, now_ms: int, address: str | None = None) -> int:
+        """Remove a message (or one recipient of it) from the queue, no DSN; how many."""
+        self._check()
+        mid = format_id(msg_id)
+        ops: list[Op] = []
+        dropped = 0
+        for queued in self.recipients(msg_id):
+            record = queued.recipient
+            if address is not None and record.address != address:
+                continue
+            ops.extend(self._remove_record(queued))
+            ops.append(
+                self._event_op(
+                    Event(
+                        EventKind.DROPPED,
+                        now_ms,
+                        record.zone,
+                        mid,
+                        record.address,
+                        record.domain,
+                        id_time_ms(msg_id),
+                        attempt=record.attempts,
+                    )
+                )
+            )
+            dropped += 1
+        if not dropped:
+            what = f"recipient {address}" if address is not None else "recipient"
+            raise NotFound(f"no queued {what} in message {mid}")
+        head_key = keys.message_head(msg_id)
+        value = self._writer.read(head_key)
+        if value is not None:
+            created, remaining = decode_head(head_key, value)
+            if remaining > dropped:
+                ops.append((head_key, encode_head(created, remaining - dropped)))
+            else:
+                self._counters.add(MESSAGES, -1)
+                ops.extend(self._message_deletes(msg_id))
+        await self._writer.submit(ops, sync=False)
+        return dropped
+
+    async def hold(self, msg_id: int, reason: str = "held by administrator") -> int:
+        """Put a message's ready and deferred recipients on hold (leased ones finish first)."""
+        self._check()
+        ops: list[Op] = []
+        held = 0
+        for queued in self.recipients(msg_id):
+            if queued.state not in (State.READY, State.DEFERRED):
+                continue
+            record = queued.recipient
+            ops.extend(self._remove_record(queued))
+            self._counters.move(record.zone, record.domain, None, State.HELD)
+            on_hold = replace(record, hold_reason=reason)
+            ops.append(
+                (keys.record(keys.HELD, record.zone, msg_id, record.address), on_hold.encode())
+            )
+            held += 1
+        if ops:
+            await self._writer.submit(ops, sync=False)
+        return held
+
+    async def unhold(self, msg_id: int) -> int:
+        """Release a held message: its recipients are ready at once."""
+        self._check()
+        return await self._make_ready(q for q in self.recipients(msg_id) if q.state is State.HELD)
+
+    async def retry_now(
+        self, zone: str, *, msg_id: int | None = None, domain: str | None = None
+    ) -> int:
+        """Deferred recipients of a zone (or one message / domain in it) are ready at once."""
+        self._check()
+        prefix = (
+            keys.zone_prefix(keys.DEFERRED, zone)
+            if msg_id is None
+            else keys.record_message_prefix(keys.DEFERRED, zone, msg_id)
+        )
+        chosen = (
+            QueuedRecipient(State.DEFERRED, record)
+            for _, record in self._records(prefix)
+            if domain is None or record.domain == domain.lower()
+        )
+        return await self._make_ready(chosen)
+
+    def count(self, zone: str, state: State) -> int:
+        """O(1): recipients of ``zone`` in ``state``."""
+        if state is State.LEASED:
+            return self.leased(zone)
+        return self._counters.get(zone_key(zone, state.value))
+
+    def domain_count(self, zone: str, domain: str, state: State) -> int:
+        """O(1): recipients of ``zone`` for one destination domain in ``state``."""
+        return self._counters.get(domain_key(zone, domain.lower(), state.value))
+
+    def domain_counts(self, zone: str, state: State) -> dict[str, int]:
+        return dict(self._counters.items("domain-" + state.value, zone))
+
+    def message_count(self) -> int:
+        return self._counters.get(MESSAGES)
+
+    def zones(self) -> set[str]:
+        """Zones with anything queued."""
+        return self._counters.zones()
+
+    def counters(self) -> dict[bytes, int]:
+        return self._counters.snapshot()

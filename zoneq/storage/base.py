@@ -1,0 +1,288 @@
+"""Shared state and helpers of the queue store (see ``store.py`` for the theory).
+
+``QueueStore`` is assembled from this base and two mixins, each a module named for what it
+owns: ``store.py`` (receiving, leasing, outcomes), ``admin.py`` (reads and administrators'
+operations) and ``maintenance.py`` (recovery, sweeps, compaction, retention).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import secrets
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Final
+
+import msgpack
+
+from zoneq.errors import NotFound, StorageCorruption, StorageUnavailable
+from zoneq.protocol.events import Event, EventKind
+from zoneq.protocol.ids import IdGenerator, format_id, id_time_ms
+from zoneq.storage import keys
+from zoneq.storage.counters import MESSAGES, Counters
+from zoneq.storage.leveldb import Database, Op
+from zoneq.storage.records import (
+    Recipient,
+    State,
+    decode_head,
+    encode_head,
+)
+from zoneq.storage.writer import GroupWriter
+
+FAMILY_STATE: Final = {
+    keys.READY: State.READY,
+    keys.DEFERRED: State.DEFERRED,
+    keys.HELD: State.HELD,
+}
+STATE_FAMILY: Final = {v: k for k, v in FAMILY_STATE.items()}
+READY_STATE: Final = State.READY.value
+
+
+@functools.lru_cache(maxsize=1024)
+def ready_prefix(zone: str) -> bytes:
+    return keys.zone_prefix(keys.READY, zone)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A ready recipient handed to a delivery loop; ``token`` must come back with the report."""
+
+    token: int
+    key: bytes
+    recipient: Recipient
+    owner: str
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRecipient:
+    """A recipient as administrators see it."""
+
+    state: State
+    recipient: Recipient
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a report says happened at the remote end (for the event)."""
+
+    reply: str = ""
+    code: int | None = None
+    enhanced: str | None = None
+    mx: str | None = None
+    source_ip: str | None = None
+    possible_duplicate: bool = False
+
+
+class StoreBase:
+    """The in-memory state every part of the store shares, and the helpers they share."""
+
+    # How long a failed store waits before trying to reopen the database again.
+    REOPEN_INTERVAL_S: Final = 1.0
+
+    def __init__(
+        self, db: Database, *, sync_commits: bool = True, chunk_size: int = 65_536
+    ) -> None:
+        self._db = db
+        self.sync_commits = sync_commits
+        self.chunk_size = chunk_size
+        self._next_reopen = 0.0
+        self._counters = Counters()
+        self._writer = GroupWriter(db, seal=self._counters.seal, on_failure=self._on_failure)
+        self._ids = IdGenerator()
+        self._event_seq = itertools.count(1)
+        self._tokens = itertools.count(secrets.randbits(48))
+        self._leases: dict[bytes, Lease] = {}
+        self._cursors: dict[str, bytes] = {}
+        self._due_marks: dict[str, bytes] = {}
+        self._receiving: set[int] = set()
+        self.quarantined: list[StorageCorruption] = []
+
+    def recover(self) -> int:
+        """Reload in-memory state from disk (``maintenance.py``)."""
+        raise NotImplementedError
+
+    def _on_failure(self, exc: StorageUnavailable) -> None:
+        # LevelDB's error is sticky: leave the handle failed until reopen() succeeds.
+        self._leases.clear()
+
+    def reopen(self) -> None:
+        """Clear a sticky write error: reopen the database and reload state from disk.
+
+        Raises ``StorageUnavailable`` while the cause persists (a full disk makes even the
+        reopen fail); the owner retries later.  Callers see 4xx in the meantime.
+        """
+        self._db.reopen()
+        self.recover()
+        self._writer.reset()
+
+    @property
+    def failure(self) -> StorageUnavailable | None:
+        return self._writer.failed
+
+    async def close(self) -> None:
+        await self._writer.drain()
+        self._writer.close()
+        self._db.close()
+
+    async def drain(self) -> None:
+        await self._writer.drain()
+
+    @property
+    def database(self) -> Database:
+        return self._db
+
+    def _check(self) -> None:
+        """Refuse work while the database is failed, trying a reopen now and then.
+
+        LevelDB stays failed until reopened, and reopening fails too while the cause lasts
+        (a full disk); so the store heals itself on the first operation after the cause is
+        gone, without an operator, and answers ``StorageUnavailable`` (a 4xx) until then.
+        """
+        failure = self._writer.failed
+        if failure is None:
+            return
+        now = time.monotonic()
+        if now >= self._next_reopen and not self._writer.busy:
+            self._next_reopen = now + self.REOPEN_INTERVAL_S
+            try:
+                self.reopen()
+                return
+            except StorageUnavailable as exc:
+                raise exc from failure
+        raise failure
+
+    def _readied(self, oldest: dict[str, bytes]) -> Callable[[], None]:
+        """Effect: move each zone's cursor back to its oldest newly ready key."""
+
+        def effect() -> None:
+            for zone, key in oldest.items():
+                self._cursor_back(zone, key)
+
+        return effect
+
+    def _cursor_back(self, zone: str, key: bytes) -> None:
+        cursor = self._cursors.get(zone)
+        if cursor is not None and key < cursor:
+            self._cursors[zone] = key
+
+    def _due_back(self, zone: str, due_key: bytes) -> Callable[[], None]:
+        def effect() -> None:
+            mark = self._due_marks.get(zone)
+            if mark is not None and due_key < mark:
+                self._due_marks[zone] = due_key
+
+        return effect
+
+    def _records(
+        self, prefix: bytes, *, start: bytes | None = None
+    ) -> Iterator[tuple[bytes, Recipient]]:
+        """Decoded records under ``prefix`` as the latest staged state shows them."""
+        pending = self._writer.pending
+        missing = GroupWriter.MISSING
+        source = (
+            self._db.items(prefix=prefix)
+            if start is None
+            else self._db.items(start=start, stop=keys.prefix_upper_bound(prefix))
+        )
+        for key, durable in source:
+            staged = pending(key)
+            if staged is None:
+                continue
+            value = durable if staged is missing else staged
+            assert isinstance(value, bytes)
+            record = self._decode_record(key, value)
+            if record is not None:
+                yield key, record
+
+    def _decode_record(self, key: bytes, value: bytes) -> Recipient | None:
+        try:
+            _, zone, msg_id, address = keys.decode_record(key)
+            return Recipient.decode(key, zone, msg_id, address, value)
+        except (StorageCorruption, ValueError, UnicodeDecodeError) as exc:
+            # Quarantine: report it and go on with the rest of the queue.
+            error = exc if isinstance(exc, StorageCorruption) else StorageCorruption(key, str(exc))
+            if all(q.key != key for q in self.quarantined):
+                self.quarantined.append(error)
+            return None
+
+    def _event_op(self, event: Event) -> Op:
+        return (keys.event(event.time_ms, next(self._event_seq)), msgpack.packb(event.to_record()))
+
+    def _outcome_event(
+        self, kind: EventKind, record: Recipient, now_ms: int, outcome: Outcome
+    ) -> Op:
+        return self._event_op(
+            Event(
+                kind,
+                now_ms,
+                record.zone,
+                format_id(record.msg_id),
+                record.address,
+                record.domain,
+                id_time_ms(record.msg_id),
+                attempt=record.attempts,
+                mx=outcome.mx,
+                source_ip=outcome.source_ip,
+                code=outcome.code,
+                enhanced=outcome.enhanced,
+                text=outcome.reply or None,
+                possible_duplicate=outcome.possible_duplicate,
+            )
+        )
+
+    def _chunk_deletes(self, msg_id: int) -> list[Op]:
+        return [(key, None) for key in self._db.keys(prefix=keys.chunk_prefix(msg_id))]
+
+    def _message_deletes(self, msg_id: int) -> list[Op]:
+        ops: list[Op] = [(keys.message_head(msg_id), None), (keys.message_meta(msg_id), None)]
+        ops.extend(self._chunk_deletes(msg_id))
+        return ops
+
+    def _remove_record(self, queued: QueuedRecipient) -> list[Op]:
+        record = queued.recipient
+        state = State.READY if queued.state is State.LEASED else queued.state
+        key = keys.record(STATE_FAMILY[state], record.zone, record.msg_id, record.address)
+        self._leases.pop(key, None)  # revoked: the worker's report will be refused
+        ops: list[Op] = [(key, None)]
+        if state is State.DEFERRED:
+            due_key = keys.due(record.zone, record.next_attempt_ms, record.msg_id, record.address)
+            ops.append((due_key, None))
+        self._counters.move(record.zone, record.domain, state, None)
+        return ops
+
+    async def _make_ready(self, chosen: Iterable[QueuedRecipient]) -> int:
+        ops: list[Op] = []
+        oldest: dict[str, bytes] = {}
+        moved = 0
+        for queued in chosen:
+            record = queued.recipient
+            ops.extend(self._remove_record(queued))
+            self._counters.move(record.zone, record.domain, None, State.READY)
+            ready_key = keys.record(keys.READY, record.zone, record.msg_id, record.address)
+            fresh = replace(record, next_attempt_ms=0, hold_reason="")
+            ops.append((ready_key, fresh.encode()))
+            if record.zone not in oldest or ready_key < oldest[record.zone]:
+                oldest[record.zone] = ready_key
+            moved += 1
+        if ops:
+            await self._writer.submit(ops, sync=False, effect=self._readied(oldest))
+        return moved
+
+    def _recipient_gone(self, msg_id: int) -> list[Op]:
+        """Writes for one recipient leaving the queue: the head's count, or the whole message."""
+        head_key = keys.message_head(msg_id)
+        value = self._writer.read(head_key)
+        if value is None:
+            raise NotFound(f"message {format_id(msg_id)} has no head")
+        created, remaining = decode_head(head_key, value)
+        if remaining > 1:
+            return [(head_key, encode_head(created, remaining - 1))]
+        self._counters.add(MESSAGES, -1)
+        return self._message_deletes(msg_id)
+
+    def leased(self, zone: str | None = None) -> int:
+        if zone is None:
+            return len(self._leases)
+        return sum(1 for lease in self._leases.values() if lease.recipient.zone == zone)

@@ -1,0 +1,173 @@
+"""The only module that imports plyvel: a thin LevelDB handle with zoneq's errors.
+
+plyvel's exceptions become zoneq's at this one boundary (STYLE.md, after httpcore):
+
+* an I/O error on a write (full disk, failed fsync) -> ``StorageUnavailable``.  LevelDB
+  remembers such an error and refuses every later write until the database is reopened
+  (measured here: after ENOSPC even deletes fail), so the caller must :meth:`reopen`;
+* the lock file held by another process -> ``StoreLocked``, with a message that says so;
+* a corruption error -> ``StorageUnavailable`` for writes; reads of a single bad value are
+  handled above this layer.
+
+Writes take a list of ``(key, value-or-None)`` pairs and go as one ``WriteBatch``, so every
+queue transition is atomic.  ``sync=True`` fsyncs LevelDB's log, which also makes every
+earlier unsynced write durable (the log is one append-only file).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import plyvel
+
+from zoneq.errors import StorageUnavailable, StoreLocked
+
+Op = tuple[bytes, bytes | None]
+
+
+class Database:
+    """An open LevelDB directory.  Not thread-safe for open/close; reads and writes are."""
+
+    def __init__(self, path: Path, *, write_buffer_mb: int = 16, cache_mb: int = 32) -> None:
+        self.path = Path(path)
+        self._options: dict[str, Any] = {
+            "create_if_missing": True,
+            "write_buffer_size": write_buffer_mb << 20,
+            "lru_cache_size": cache_mb << 20,
+            # Body chunks are already as dense as they get; keys compress well.
+            "compression": "snappy",
+        }
+        self._db: Any = None
+        self.open()
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def open(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = plyvel.DB(os.fspath(self.path), **self._options)
+        except plyvel.IOError as exc:
+            text = _text(exc)
+            if "lock" in text.lower():
+                raise StoreLocked(
+                    f"the queue directory {self.path} is in use by another zoneq process "
+                    f"(LevelDB allows one process per database): {text}"
+                ) from exc
+            raise StorageUnavailable(f"cannot open {self.path}: {text}") from exc
+        except plyvel.Error as exc:
+            raise StorageUnavailable(f"cannot open {self.path}: {_text(exc)}") from exc
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def reopen(self) -> None:
+        """Close and open again: the only way to clear LevelDB's sticky write error."""
+        self.close()
+        self.open()
+
+    @property
+    def is_open(self) -> bool:
+        return self._db is not None and not self._db.closed
+
+    # --- access ---------------------------------------------------------------------------
+
+    def _handle(self) -> Any:
+        if self._db is None:
+            raise StorageUnavailable(f"the queue database {self.path} is not open")
+        return self._db
+
+    def get(self, key: bytes) -> bytes | None:
+        try:
+            value: bytes | None = self._handle().get(key)
+        except plyvel.Error as exc:
+            raise StorageUnavailable(f"read failed: {_text(exc)}") from exc
+        return value
+
+    def write(self, ops: Sequence[Op], *, sync: bool) -> None:
+        db = self._handle()
+        try:
+            with db.write_batch(sync=sync) as batch:
+                put = batch.put
+                delete = batch.delete
+                for key, value in ops:
+                    if value is None:
+                        delete(key)
+                    else:
+                        put(key, value)
+        except plyvel.Error as exc:
+            raise StorageUnavailable(f"write failed: {_text(exc)}") from exc
+        except RuntimeError as exc:  # plyvel: "Database is closed"
+            raise StorageUnavailable(f"write failed: {exc}") from exc
+
+    def items(
+        self,
+        *,
+        prefix: bytes | None = None,
+        start: bytes | None = None,
+        stop: bytes | None = None,
+        reverse: bool = False,
+        snapshot: Any = None,
+    ) -> Iterator[tuple[bytes, bytes]]:
+        """Key/value pairs in order; ``start`` inclusive, ``stop`` exclusive."""
+        source = snapshot if snapshot is not None else self._handle()
+        kwargs: dict[str, Any] = {"reverse": reverse}
+        if prefix is not None:
+            kwargs["prefix"] = prefix
+        else:
+            kwargs["start"] = start
+            kwargs["stop"] = stop
+        it: Iterator[tuple[bytes, bytes]] = source.iterator(**kwargs)
+        return it
+
+    def keys(
+        self,
+        *,
+        prefix: bytes | None = None,
+        start: bytes | None = None,
+        stop: bytes | None = None,
+        reverse: bool = False,
+    ) -> Iterator[bytes]:
+        kwargs: dict[str, Any] = {"reverse": reverse, "include_value": False}
+        if prefix is not None:
+            kwargs["prefix"] = prefix
+        else:
+            kwargs["start"] = start
+            kwargs["stop"] = stop
+        it: Iterator[bytes] = self._handle().iterator(**kwargs)
+        return it
+
+    def first_key(self, start: bytes, stop: bytes | None) -> bytes | None:
+        """The first key in ``[start, stop)``: one seek."""
+        for key in self._handle().iterator(start=start, stop=stop, include_value=False):
+            k: bytes = key
+            return k
+        return None
+
+    @contextmanager
+    def snapshot(self) -> Iterator[Any]:
+        """A consistent read view (used by exports while the server runs)."""
+        snap = self._handle().snapshot()
+        try:
+            yield snap
+        finally:
+            snap.close()
+
+    def compact_range(self, start: bytes, stop: bytes) -> None:
+        """Compact an explicit range (plyvel 1.5.1's argument-less call does nothing)."""
+        try:
+            self._handle().compact_range(start=start, stop=stop)
+        except plyvel.Error as exc:
+            raise StorageUnavailable(f"compaction failed: {_text(exc)}") from exc
+
+
+def _text(exc: BaseException) -> str:
+    arg = exc.args[0] if exc.args else exc
+    if isinstance(arg, bytes):
+        return arg.decode("utf-8", "replace")
+    return str(arg)

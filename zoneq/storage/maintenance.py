@@ -1,0 +1,118 @@
+"""Recovery, garbage sweeps, compaction and event retention for the queue store."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+
+import msgpack
+
+from zoneq.protocol.events import Event
+from zoneq.protocol.ids import id_time_ms
+from zoneq.storage import keys
+from zoneq.storage.base import FAMILY_STATE, StoreBase
+from zoneq.storage.counters import MESSAGES, domain_key, zone_key
+from zoneq.storage.leveldb import Op
+from zoneq.storage.records import (
+    recipient_domain,
+)
+
+
+class MaintenanceMixin(StoreBase):
+    def recover(self) -> int:
+        """Make the in-memory state match the disk; return the number of orphans swept.
+
+        Called once after open (before any traffic) and after a reopen.  Every lease is gone,
+        so every recipient that was in flight is ready again at once.
+        """
+        self._leases.clear()
+        self._cursors.clear()
+        self._due_marks.clear()
+        self._receiving.clear()
+        self._counters.load(self._db)
+        last_message = next(self._db.keys(prefix=keys.MESSAGE, reverse=True), None)
+        last_receiving = next(self._db.keys(prefix=keys.RECEIVING, reverse=True), None)
+        floor = 0
+        if last_message is not None:
+            floor = keys.decode_message_key(last_message)[0]
+        if last_receiving is not None:
+            floor = max(floor, keys.decode_receiving(last_receiving))
+        self._ids.raise_floor(floor)
+        last_event = next(self._db.keys(prefix=keys.EVENT, reverse=True), None)
+        if last_event is not None:
+            self._event_seq = itertools.count(keys.decode_event(last_event)[1] + 1)
+        # No DATA is in progress at start-up: every receiving marker is an orphan.
+        orphans = self._orphans(lambda _id: True)
+        if orphans:
+            self._db.write(orphans, sync=True)
+        return sum(1 for key, _ in orphans if key.startswith(keys.RECEIVING))
+
+    async def sweep(self, now_ms: int, receive_timeout_ms: int) -> int:
+        """Remove the chunks of messages that never committed and are older than the timeout."""
+        self._check()
+        cutoff = now_ms - receive_timeout_ms
+
+        def stale(msg_id: int) -> bool:
+            return msg_id not in self._receiving and id_time_ms(msg_id) < cutoff
+
+        ops = self._orphans(stale)
+        if ops:
+            await self._writer.submit(ops, sync=False)
+        return sum(1 for key, _ in ops if key.startswith(keys.RECEIVING))
+
+    def _orphans(self, is_orphan: Callable[[int], bool]) -> list[Op]:
+        ops: list[Op] = []
+        for key in self._db.keys(prefix=keys.RECEIVING):
+            msg_id = keys.decode_receiving(key)
+            if not is_orphan(msg_id):
+                continue
+            if self._db.get(keys.message_head(msg_id)) is None:
+                ops.extend(self._chunk_deletes(msg_id))
+            ops.append((key, None))
+        return ops
+
+    def compact(self) -> None:
+        """Compact the deleted ranges behind each zone's marks (explicit ranges only)."""
+        for zone, cursor in list(self._cursors.items()):
+            self._db.compact_range(keys.zone_prefix(keys.READY, zone), cursor)
+        for zone, mark in list(self._due_marks.items()):
+            self._db.compact_range(keys.zone_prefix(keys.DUE, zone), mark)
+
+    async def trim_events(self, before_ms: int, limit: int = 50_000) -> int:
+        """Delete events older than ``before_ms`` (retention); how many."""
+        ops: list[Op] = [
+            (key, None)
+            for key in itertools.islice(
+                self._db.keys(start=keys.EVENT, stop=keys.EVENT + keys.u64(before_ms)), limit
+            )
+        ]
+        if ops:
+            await self._writer.submit(ops, sync=False)
+        return len(ops)
+
+    def events(
+        self, *, after: bytes | None = None, snapshot: object = None
+    ) -> Iterator[tuple[bytes, Event]]:
+        """Events in time order after the key ``after`` (an export's watermark)."""
+        start = keys.EVENT if after is None else after + b"\x00"
+        for key, value in self._db.items(
+            start=start, stop=keys.prefix_upper_bound(keys.EVENT), snapshot=snapshot
+        ):
+            yield key, Event.from_record(msgpack.unpackb(value))
+
+    def recount(self) -> dict[bytes, int]:
+        """Count everything by scanning (slow; for checks and repair): the true counters."""
+        true: dict[bytes, int] = {}
+
+        def bump(key: bytes) -> None:
+            true[key] = true.get(key, 0) + 1
+
+        for family, state in FAMILY_STATE.items():
+            for key in self._db.keys(prefix=family):
+                _, zone, _, address = keys.decode_record(key)
+                bump(zone_key(zone, state.value))
+                bump(domain_key(zone, recipient_domain(address), state.value))
+        for key in self._db.keys(prefix=keys.MESSAGE):
+            if keys.decode_message_key(key)[1] == keys.HEAD_PART:
+                bump(MESSAGES)
+        return true

@@ -1,0 +1,217 @@
+"""Values stored under the queue's keys, and their msgpack encodings.
+
+Recipient records are msgpack arrays (they are written on every transition, so they are kept
+small and fast to pack); message metadata is a msgpack map (written once, read by the admin
+API and by delivery, and the place new fields will be added).  Both carry a format version as
+their first element / ``v`` field so an old zoneq refuses a newer store instead of misreading
+it.  A value that cannot be decoded raises ``StorageCorruption`` naming its key; the caller
+quarantines that record and goes on with the rest.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Final
+
+import msgpack
+
+from zoneq.errors import StorageCorruption
+
+RECORD_VERSION: Final = 1
+META_VERSION: Final = 1
+
+
+class State(enum.StrEnum):
+    READY = "ready"
+    LEASED = "leased"  # in memory only: a READY record handed to a worker
+    DEFERRED = "deferred"
+    HELD = "held"
+
+
+def recipient_domain(address: str) -> str:
+    """The destination domain, lowercased (RFC 5321 2.4: domains are case-insensitive)."""
+    _, at, domain = address.rpartition("@")
+    return domain.lower() if at else ""
+
+
+@dataclass(frozen=True, slots=True)
+class NewRecipient:
+    """A recipient as the receiver hands it to :meth:`QueueStore.commit`."""
+
+    address: str
+    zone: str
+    # RFC 3461 DSN parameters as given at RCPT (NOTIFY keywords, ORCPT "type;addr").
+    notify: tuple[str, ...] = ()
+    orcpt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Recipient:
+    """One queued recipient of one message in one zone (the ``delivery-zone`` record)."""
+
+    zone: str
+    msg_id: int
+    address: str
+    domain: str
+    attempts: int = 0
+    first_attempt_ms: int = 0
+    last_attempt_ms: int = 0
+    next_attempt_ms: int = 0
+    last_reply: str = ""
+    notify: tuple[str, ...] = ()
+    orcpt: str | None = None
+    hold_reason: str = ""
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            [
+                RECORD_VERSION,
+                self.domain,
+                self.attempts,
+                self.first_attempt_ms,
+                self.last_attempt_ms,
+                self.next_attempt_ms,
+                self.last_reply,
+                list(self.notify),
+                self.orcpt,
+                self.hold_reason,
+            ]
+        )
+
+    @classmethod
+    def decode(cls, key: bytes, zone: str, msg_id: int, address: str, value: bytes) -> Recipient:
+        try:
+            items = msgpack.unpackb(value)
+            if not isinstance(items, list) or items[0] != RECORD_VERSION:
+                raise ValueError(f"unknown record format {items[:1]!r}")
+            _, domain, attempts, first, last, nxt, reply, notify, orcpt, hold = items
+            return cls(
+                zone=zone,
+                msg_id=msg_id,
+                address=address,
+                domain=str(domain),
+                attempts=int(attempts),
+                first_attempt_ms=int(first),
+                last_attempt_ms=int(last),
+                next_attempt_ms=int(nxt),
+                last_reply=str(reply),
+                notify=tuple(str(n) for n in notify),
+                orcpt=None if orcpt is None else str(orcpt),
+                hold_reason=str(hold),
+            )
+        except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
+            raise StorageCorruption(key, str(exc)) from exc
+
+    def after_attempt(self, now_ms: int, reply: str, next_attempt_ms: int = 0) -> Recipient:
+        return replace(
+            self,
+            attempts=self.attempts + 1,
+            first_attempt_ms=self.first_attempt_ms or now_ms,
+            last_attempt_ms=now_ms,
+            last_reply=reply,
+            next_attempt_ms=next_attempt_ms,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MessageMeta:
+    """The ``*`` key: everything known about a message except its body and recipients.
+
+    Recipients are not listed here: each has its own record, and a list message with
+    10,000 recipients would otherwise carry a ~300 KB value that every reader decodes.
+    ``zones`` says where to find the records; the store fills it and ``recipient_count``
+    in at commit.
+    """
+
+    msg_id: int
+    sender: str  # envelope MAIL FROM, "" for the null reverse-path <>
+    size: int  # body octets as stored
+    chunks: int  # number of body chunk keys
+    received_ms: int
+    zones: tuple[str, ...] = ()
+    recipient_count: int = 0
+    ret: str | None = None  # RFC 3461 RET=FULL|HDRS
+    envid: str | None = None  # RFC 3461 ENVID (xtext as received)
+    smtputf8: bool = False
+    body_8bit: bool = False
+    # A few parsed headers for browsing (Message-ID, Subject, From) and where it came from
+    # (client address, HELO name, authenticated user, "smtp" or "http").
+    headers: dict[str, str] = field(default_factory=dict)
+    source: dict[str, str] = field(default_factory=dict)
+    is_bounce: bool = False  # a DSN we generated: shorter lifetime, never bounced itself
+
+    def encode(
+        self, zones: Sequence[str] | None = None, recipient_count: int | None = None
+    ) -> bytes:
+        """The msgpack value; ``zones`` and ``recipient_count`` override the fields (the
+        store fills them in at commit without copying the dataclass)."""
+        return msgpack.packb(
+            {
+                "v": META_VERSION,
+                "sender": self.sender,
+                "zones": list(self.zones if zones is None else zones),
+                "rcpts": self.recipient_count if recipient_count is None else recipient_count,
+                "size": self.size,
+                "chunks": self.chunks,
+                "received": self.received_ms,
+                "ret": self.ret,
+                "envid": self.envid,
+                "utf8": self.smtputf8,
+                "8bit": self.body_8bit,
+                "headers": self.headers,
+                "source": self.source,
+                "bounce": self.is_bounce,
+            }
+        )
+
+    @classmethod
+    def decode(cls, key: bytes, msg_id: int, value: bytes) -> MessageMeta:
+        try:
+            data: dict[str, Any] = msgpack.unpackb(value)
+            if data.get("v") != META_VERSION:
+                raise ValueError(f"unknown metadata format {data.get('v')!r}")
+            return cls(
+                msg_id=msg_id,
+                sender=data["sender"],
+                zones=tuple(data["zones"]),
+                recipient_count=data["rcpts"],
+                size=data["size"],
+                chunks=data["chunks"],
+                received_ms=data["received"],
+                ret=data["ret"],
+                envid=data["envid"],
+                smtputf8=data["utf8"],
+                body_8bit=data["8bit"],
+                headers=dict(data["headers"]),
+                source=dict(data["source"]),
+                is_bounce=data["bounce"],
+            )
+        except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as exc:
+            raise StorageCorruption(key, str(exc)) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """A message zoneq generates itself (a DSN): small, queued whole in one batch.
+
+    The store assigns its id and fills in its size and chunk count.
+    """
+
+    meta: MessageMeta
+    recipients: tuple[NewRecipient, ...]
+    body: bytes
+
+
+def encode_head(created_ms: int, remaining: int) -> bytes:
+    """The ``#`` key: the message exists and is complete; recipients still queued."""
+    return msgpack.packb([created_ms, remaining])
+
+
+def decode_head(key: bytes, value: bytes) -> tuple[int, int]:
+    try:
+        created, remaining = msgpack.unpackb(value)
+        return int(created), int(remaining)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise StorageCorruption(key, str(exc)) from exc

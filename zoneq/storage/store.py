@@ -1,0 +1,380 @@
+"""The queue store: a message's life in LevelDB, as operations.
+
+Theory of operation
+-------------------
+The layout is ZoneMTA's (see ``keys.py``): a body as ordered chunk keys, a ``#`` head and a
+``*`` metadata key per message, one record per (zone, message, recipient).  The lifecycle is
+Kannader's: ``begin`` / ``write_chunk`` while DATA streams, ``commit`` before the ``250``,
+``lease`` to a worker, then exactly one of ``complete``, ``defer``, ``bounce`` or ``release``
+for the lease; ``drop``, ``hold``, ``unhold`` and ``retry_now`` for administrators;
+``promote_due`` to bring deferred recipients back; ``recover`` and ``sweep`` for garbage.
+Every transition is one atomic batch (through :class:`GroupWriter`) that also writes its
+events and counter changes.
+
+One departure from ZoneMTA: a recipient's record lives in exactly one of three families by
+state, ``delivery-zone`` (ready), ``deferred`` (plus a ``due`` index by next-attempt time) and
+``held``.  With a single family the lease scan has to step over every deferred recipient
+again and again (ZoneMTA's scanner did), which turns a down destination with a million
+deferred recipients into a million skips per scan.  Here the ready family holds only what can
+be sent, so a scan skips at most the recipients that are leased right now.
+
+Leases are in memory only: a core that dies loses them, so at start-up everything that was
+in flight is simply ready again (at-least-once, as Postfix and ZoneMTA).  A lease carries a
+token; a report with a token that is not the current one is refused (``LeaseError``).
+
+Low-water marks: deleted keys stay as tombstones until compaction, and after 900k deliveries
+a seek to the start of a zone was measured at ~500 ms.  So each zone keeps a cursor, the
+smallest key that may hold a ready record that is not leased; scans start there, every
+transition that makes a record ready moves the cursor back to it (once durable), and
+:meth:`compact` compacts the deleted range behind the cursor with an explicit range.
+
+Everything here runs on the event loop thread; only the group writer's thread touches the
+database for writes.  Reads go through the writer's overlay so they see staged writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from zoneq.errors import LeaseError
+from zoneq.protocol.events import Event, EventKind
+from zoneq.protocol.ids import format_id, id_time_ms
+from zoneq.storage import keys
+from zoneq.storage.admin import AdminMixin
+from zoneq.storage.base import READY_STATE, Lease, Outcome, QueuedRecipient, ready_prefix
+from zoneq.storage.counters import MESSAGES, domain_key, zone_key
+from zoneq.storage.leveldb import Database, Op
+from zoneq.storage.maintenance import MaintenanceMixin
+from zoneq.storage.records import (
+    MessageMeta,
+    NewRecipient,
+    Notice,
+    Recipient,
+    State,
+    encode_head,
+    recipient_domain,
+)
+from zoneq.storage.writer import GroupWriter
+
+
+class QueueStore(AdminMixin, MaintenanceMixin):
+    """The LevelDB queue of one zoneq node.  Create with :meth:`open`, then :meth:`recover`."""
+
+    @classmethod
+    def open(cls, path: Path, *, sync_commits: bool = True, chunk_size: int = 65_536) -> QueueStore:
+        return cls(Database(path), sync_commits=sync_commits, chunk_size=chunk_size)
+
+    def begin(self, now_ms: int) -> int:
+        """A new message id for a DATA (or API submission) about to stream in."""
+        self._check()
+        msg_id = self._ids.next(now_ms)
+        self._receiving.add(msg_id)
+        return msg_id
+
+    async def write_chunk(self, msg_id: int, index: int, data: bytes) -> None:
+        """Store body chunk ``index`` (unsynced: the commit's sync makes it durable)."""
+        ops: list[Op] = [(keys.message_chunk(msg_id, index), data)]
+        if index == 0:
+            # The marker goes in the same batch as the first chunk, so no chunk is ever on
+            # disk without it: the sweep finds every orphan by scanning markers only.
+            ops.append((keys.receiving(msg_id), b""))
+        await self._writer.submit(ops, sync=False)
+
+    async def commit(
+        self,
+        meta: MessageMeta,
+        recipients: Sequence[NewRecipient],
+        now_ms: int,
+        *,
+        tail: bytes | None = None,
+    ) -> None:
+        """Make a received message and its recipients durable; return only when synced.
+
+        ``tail`` is the last body chunk (index ``meta.chunks - 1``) if the caller has not
+        written it yet: a message that fits in one chunk then costs one batch, not two.
+        """
+        self._check()
+        ops, ready = self._message_ops(meta, recipients, now_ms)
+        if tail is not None:
+            ops.append((keys.message_chunk(meta.msg_id, meta.chunks - 1), tail))
+        ops.append((keys.receiving(meta.msg_id), None))
+        try:
+            await self._writer.submit(ops, sync=self.sync_commits, effect=self._readied(ready))
+        finally:
+            self._receiving.discard(meta.msg_id)
+
+    async def abandon(self, msg_id: int) -> None:
+        """The client went away mid-DATA (or the message was refused): remove its chunks."""
+        self._receiving.discard(msg_id)
+        ops = self._chunk_deletes(msg_id)
+        ops.append((keys.receiving(msg_id), None))
+        await self._writer.submit(ops, sync=False)
+
+    def _message_ops(
+        self, meta: MessageMeta, recipients: Sequence[NewRecipient], now_ms: int
+    ) -> tuple[list[Op], dict[str, bytes]]:
+        """The writes that queue a message, and each zone's oldest new ready key.
+
+        This is the hot path of both SMTP acceptance and bulk submission (a list message
+        may have 10,000 recipients), so per-recipient work is kept to one key and a cached
+        value: the record of a new recipient depends only on its domain and DSN parameters.
+        """
+        if not recipients:
+            raise ValueError("a message needs at least one recipient")
+        msg_id = meta.msg_id
+        id_bytes = keys.u64(msg_id)
+        ops: list[Op] = [(keys.message_head(msg_id), encode_head(now_ms, len(recipients)))]
+        append = ops.append
+        values: dict[tuple[str, tuple[str, ...], str | None], bytes] = {}
+        zone_prefixes: dict[str, bytes] = {}
+        per_zone: dict[str, int] = {}
+        per_domain: dict[tuple[str, str], int] = {}
+        oldest: dict[str, bytes] = {}
+        text = keys.text
+        for rcpt in recipients:
+            zone = rcpt.zone
+            prefix = zone_prefixes.get(zone)
+            if prefix is None:
+                prefix = zone_prefixes[zone] = ready_prefix(zone) + id_bytes
+            domain = recipient_domain(rcpt.address)
+            shape = (domain, rcpt.notify, rcpt.orcpt)
+            value = values.get(shape)
+            if value is None:
+                value = values[shape] = Recipient(
+                    zone, msg_id, rcpt.address, domain, notify=rcpt.notify, orcpt=rcpt.orcpt
+                ).encode()
+            key = prefix + text(rcpt.address)
+            append((key, value))
+            per_zone[zone] = per_zone.get(zone, 0) + 1
+            per_domain[zone, domain] = per_domain.get((zone, domain), 0) + 1
+            first = oldest.get(zone)
+            if first is None or key < first:
+                oldest[zone] = key
+        add = self._counters.add
+        for (zone, domain), n in per_domain.items():
+            add(domain_key(zone, domain, READY_STATE), n)
+        queued_at = id_time_ms(msg_id)
+        mid = format_id(msg_id)
+        for zone, n in per_zone.items():
+            add(zone_key(zone, READY_STATE), n)
+            event = Event(
+                EventKind.ACCEPTED,
+                now_ms,
+                zone,
+                mid,
+                "",
+                "",
+                queued_at,
+                size=meta.size,
+                recipients=n,
+            )
+            append(self._event_op(event))
+        add(MESSAGES, 1)
+        append((keys.message_meta(msg_id), meta.encode(tuple(per_zone), len(recipients))))
+        return ops, oldest
+
+    def lease(
+        self,
+        zone: str,
+        limit: int,
+        owner: str,
+        *,
+        accept: Callable[[Recipient], bool] | None = None,
+    ) -> list[Lease]:
+        """Lease up to ``limit`` ready recipients of ``zone``, oldest message first.
+
+        ``accept`` lets the scheduler pass over a recipient (say its domain is at its
+        connection limit) without moving the zone's cursor past it.
+        """
+        self._check()
+        prefix = keys.zone_prefix(keys.READY, zone)
+        start = self._cursors.get(zone, prefix)
+        stop = keys.prefix_upper_bound(prefix)
+        leases: list[Lease] = []
+        passed_over: bytes | None = None
+        last: bytes | None = None
+        pending = self._writer.pending
+        missing = GroupWriter.MISSING
+        for key, durable in self._db.items(start=start, stop=stop):
+            last = key
+            if key in self._leases:
+                continue
+            staged = pending(key)
+            if staged is None:
+                continue  # a staged delete: on its way out
+            value = durable if staged is missing else staged
+            assert isinstance(value, bytes)
+            record = self._decode_record(key, value)
+            if record is None:
+                continue
+            if accept is not None and not accept(record):
+                if passed_over is None:
+                    passed_over = key
+                continue
+            lease = Lease(next(self._tokens), key, record, owner)
+            self._leases[key] = lease
+            leases.append(lease)
+            if len(leases) >= limit:
+                break
+        if passed_over is not None:
+            self._cursors[zone] = passed_over
+        elif last is not None:
+            self._cursors[zone] = last + b"\x00"  # the next possible key after ``last``
+        return leases
+
+    def _take(self, lease: Lease) -> Lease:
+        current = self._leases.get(lease.key)
+        if current is None or current.token != lease.token:
+            raise LeaseError(
+                f"lease {lease.token} for {lease.recipient.address} in zone "
+                f"{lease.recipient.zone} is not current (released, expired or taken over)"
+            )
+        del self._leases[lease.key]
+        return current
+
+    def release(self, lease: Lease) -> None:
+        """Give a lease back unchanged (the worker did not try): ready again at once."""
+        self._take(lease)
+        self._cursor_back(lease.recipient.zone, lease.key)
+
+    def release_owner(self, owner: str) -> int:
+        """Return every lease of ``owner`` (its connection dropped); how many."""
+        mine = [lease for lease in self._leases.values() if lease.owner == owner]
+        for lease in mine:
+            self.release(lease)
+        return len(mine)
+
+    async def complete(self, lease: Lease, now_ms: int, outcome: Outcome) -> None:
+        """Delivered: the recipient leaves the queue (and the message with its last one)."""
+        self._check()
+        self._take(lease)
+        record = lease.recipient.after_attempt(now_ms, outcome.reply)
+        ops: list[Op] = [(lease.key, None)]
+        ops.append(self._outcome_event(EventKind.DELIVERED, record, now_ms, outcome))
+        self._counters.move(record.zone, record.domain, State.READY, None)
+        ops.extend(self._recipient_gone(record.msg_id))
+        await self._writer.submit(ops, sync=False)
+
+    async def defer(
+        self, lease: Lease, now_ms: int, next_attempt_ms: int, outcome: Outcome
+    ) -> None:
+        """A temporary failure: wait in ``deferred`` until ``next_attempt_ms``."""
+        self._check()
+        self._take(lease)
+        record = lease.recipient.after_attempt(now_ms, outcome.reply, next_attempt_ms)
+        ops: list[Op] = [(lease.key, None)]
+        ops.extend(self._defer_ops(record))
+        ops.append(self._outcome_event(EventKind.DEFERRED, record, now_ms, outcome))
+        self._counters.move(record.zone, record.domain, State.READY, State.DEFERRED)
+        due_key = keys.due(record.zone, next_attempt_ms, record.msg_id, record.address)
+        await self._writer.submit(ops, sync=False, effect=self._due_back(record.zone, due_key))
+
+    async def bounce(
+        self,
+        lease: Lease,
+        now_ms: int,
+        outcome: Outcome,
+        *,
+        expired: bool = False,
+        notice: Notice | None = None,
+    ) -> None:
+        """A permanent failure (or give-up): the recipient leaves the queue.
+
+        ``notice`` is the DSN to queue; it is committed in the same batch as the bounce, so
+        a crash can neither lose the DSN nor queue it twice.
+        """
+        self._check()
+        self._take(lease)
+        record = lease.recipient.after_attempt(now_ms, outcome.reply)
+        kind = EventKind.EXPIRED if expired else EventKind.BOUNCED
+        ops: list[Op] = [(lease.key, None)]
+        ops.append(self._outcome_event(kind, record, now_ms, outcome))
+        self._counters.move(record.zone, record.domain, State.READY, None)
+        ops.extend(self._recipient_gone(record.msg_id))
+        effect = None
+        if notice is not None:
+            notice_ops, ready = self._notice_ops(notice, now_ms)
+            ops.extend(notice_ops)
+            effect = self._readied(ready)
+        await self._writer.submit(ops, sync=notice is not None, effect=effect)
+
+    def _notice_ops(self, notice: Notice, now_ms: int) -> tuple[list[Op], dict[str, bytes]]:
+        """A generated message (a DSN), whole: it is small, so it goes in one batch."""
+        step = self.chunk_size
+        body = notice.body
+        meta = replace(
+            notice.meta,
+            msg_id=self._ids.next(now_ms),
+            size=len(body),
+            chunks=-(-len(body) // step),
+        )
+        ops, ready = self._message_ops(meta, notice.recipients, now_ms)
+        for index in range(meta.chunks):
+            chunk = body[index * step : (index + 1) * step]
+            ops.append((keys.message_chunk(meta.msg_id, index), chunk))
+        return ops, ready
+
+    def _defer_ops(self, record: Recipient) -> list[Op]:
+        return [
+            (
+                keys.record(keys.DEFERRED, record.zone, record.msg_id, record.address),
+                record.encode(),
+            ),
+            (keys.due(record.zone, record.next_attempt_ms, record.msg_id, record.address), b""),
+        ]
+
+    async def promote_due(self, zone: str, now_ms: int, limit: int = 10_000) -> int:
+        """Move recipients whose next attempt is due back to ready; how many were moved."""
+        self._check()
+        prefix = keys.zone_prefix(keys.DUE, zone)
+        start = self._due_marks.get(zone, prefix)
+        stop = prefix + keys.u64(now_ms + 1)
+        ops: list[Op] = []
+        ready: list[bytes] = []
+        last: bytes | None = None
+        for due_key in self._db.keys(start=start, stop=stop):
+            last = due_key
+            if self._writer.pending(due_key) is None:
+                continue  # staged delete (dropped or retried already)
+            _, _, msg_id, address = keys.decode_due(due_key)
+            deferred_key = keys.record(keys.DEFERRED, zone, msg_id, address)
+            value = self._writer.read(deferred_key)
+            ops.append((due_key, None))
+            if value is None:
+                continue  # a dangling index entry: just remove it
+            record = self._decode_record(deferred_key, value)
+            if record is None:
+                continue
+            ready_key = keys.record(keys.READY, zone, msg_id, address)
+            ops.append((deferred_key, None))
+            ops.append((ready_key, record.encode()))
+            self._counters.move(zone, record.domain, State.DEFERRED, State.READY)
+            ready.append(ready_key)
+            if len(ready) >= limit:
+                break
+        if last is not None:
+            self._due_marks[zone] = last + b"\x00"
+        if ops:
+            oldest = {zone: min(ready)} if ready else {}
+            await self._writer.submit(ops, sync=False, effect=self._readied(oldest))
+        return len(ready)
+
+    def next_due(self, zone: str) -> int | None:
+        """When the zone's earliest deferred recipient is due (ms), or None."""
+        prefix = keys.zone_prefix(keys.DUE, zone)
+        start = self._due_marks.get(zone, prefix)
+        for due_key in self._db.keys(start=start, stop=keys.prefix_upper_bound(prefix)):
+            if self._writer.pending(due_key) is None:
+                continue
+            return keys.decode_due(due_key)[1]
+        return None
+
+
+def new_recipients(addresses: Iterable[tuple[str, str]]) -> tuple[NewRecipient, ...]:
+    """``(address, zone)`` pairs as commit input (tests and tools)."""
+    return tuple(NewRecipient(address=a, zone=z) for a, z in addresses)
+
+
+__all__ = ["Lease", "Outcome", "QueueStore", "QueuedRecipient", "new_recipients"]
