@@ -1,0 +1,5 @@
+import sys
+
+from zoneq.cli import main
+
+sys.exit(main())

@@ -1,0 +1,68 @@
+"""The ``zoneq`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from zoneq import __version__, runtime
+from zoneq.config import check_config, load_config
+from zoneq.errors import ConfigError, StoreLocked
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"zoneq: configuration error:\n{exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(runtime.serve(config))
+    except StoreLocked as exc:
+        print(f"zoneq: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    problems = check_config(args.config)
+    where = args.config if args.config is not None else "the built-in configuration"
+    if problems:
+        print(f"{where}: {len(problems)} problem(s)", file=sys.stderr)
+        for line in problems:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    print(f"{where}: ok")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zoneq", description="zone-routing mail delivery engine")
+    parser.add_argument("--version", action="version", version=f"zoneq {__version__}")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run zoneq (the built-in config unless --config)")
+    serve.add_argument("--config", type=Path, default=None, help="a zones.toml file")
+    serve.set_defaults(func=_cmd_serve)
+
+    check = sub.add_parser("check-config", help="validate a config file and name each problem")
+    check.add_argument("config", type=Path, nargs="?", default=None)
+    check.set_defaults(func=_cmd_check_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The composition root: builds zoneq's parts from a config and runs them.
+
+What runs today is the core's storage side: the queue is opened (the directory's LevelDB
+lock keeps a second zoneq off it), recovered (leases from a previous run are gone, so every
+in-flight recipient is ready again; uncommitted chunks are swept), and maintained while the
+process lives: orphan sweeps, event retention and compaction of deleted ranges.  The SMTP
+receiver, the admin API and the zone workers attach here as they are built.
+
+This is the one place that reads the wall clock for the queue: every store operation
+takes ``now_ms`` from here, so the store and the protocol core stay testable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from pathlib import Path
+
+from zoneq.config import Config
+from zoneq.errors import StorageUnavailable
+from zoneq.storage.records import State
+from zoneq.storage.store import QueueStore
+
+log = logging.getLogger("zoneq")
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def open_store(config: Config) -> QueueStore:
+    store = QueueStore.open(
+        Path(config.server.data_dir),
+        sync_commits=config.storage.sync_commits,
+        chunk_size=config.storage.chunk_size,
+    )
+    swept = store.recover()
+    if swept:
+        log.info("swept %d uncommitted message(s) left by the previous run", swept)
+    return store
+
+
+def describe(store: QueueStore) -> str:
+    parts = [f"{store.message_count()} message(s) queued"]
+    for zone in sorted(store.zones()):
+        counts = ", ".join(
+            f"{state.value} {store.count(zone, state)}"
+            for state in (State.READY, State.DEFERRED, State.HELD)
+        )
+        parts.append(f"zone {zone}: {counts}")
+    return "; ".join(parts)
+
+
+async def maintain(store: QueueStore, config: Config) -> None:
+    """One round of housekeeping; a storage fault is logged and retried next round."""
+    try:
+        swept = await store.sweep(now_ms(), config.storage.receive_timeout_ms)
+        trimmed = await store.trim_events(now_ms() - config.storage.event_retention_ms)
+        store.compact()
+    except StorageUnavailable as exc:
+        log.warning("maintenance skipped, queue storage unavailable: %s", exc)
+        return
+    if swept or trimmed:
+        log.info("maintenance: swept %d orphan(s), trimmed %d event(s)", swept, trimmed)
+
+
+async def serve(config: Config) -> None:
+    """Run until SIGTERM or SIGINT, then close the store cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        # The handler only sets a flag; the work of stopping happens below (huey's rule).
+        loop.add_signal_handler(signum, stop.set)
+    store = open_store(config)
+    log.info("queue open at %s: %s", config.server.data_dir, describe(store))
+    try:
+        while not stop.is_set():
+            await maintain(store, config)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), config.storage.sweep_interval_ms / 1000)
+    finally:
+        log.info("stopping: %s", describe(store))
+        await store.close()
