@@ -1,0 +1,109 @@
+"""xtext codecs for DSN parameters: RFC 3461 xtext and RFC 6533 utf-8-addr-xtext.
+
+ENVID and ORCPT arrive in SMTP as xtext (RFC 3461 section 4) and are stored as received;
+the DSN builder decodes them, and writes internationalized addresses in the 7-bit
+utf-8-addr-xtext form of RFC 6533.  Pure functions; bad input raises ``ProtocolError``.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from typing import Final
+
+from zoneq.errors import ProtocolError
+
+__all__ = ["utf8_xtext_decode", "utf8_xtext_encode", "xtext_decode", "xtext_encode"]
+
+# RFC 3461 section 4: xchar is "!" to "~" except "+" and "="; hexchar is "+" and two hex
+# digits (upper case per the RFC; lower case accepted, it is unambiguous).
+_XTEXT_TOKEN: Final = re.compile(r"\+([0-9A-Fa-f]{2})|([\x21-\x2a\x2c-\x3c\x3e-\x7e]+)")
+# RFC 6533 section 3: EmbeddedUnicodeChar is "\x{" HEXPOINT "}".
+_EMBEDDED_CHAR: Final = re.compile(r"\\x\{([0-9A-Fa-f]{1,6})\}")
+_MAX_CODE_POINT: Final = 0x10FFFF
+
+
+def xtext_encode(value: str) -> str:
+    """Encode ``value`` as RFC 3461 xtext (section 4).
+
+    The text is taken as UTF-8 octets; every octet outside "!".."~", and "+" and "=", becomes
+    "+" and two upper-case hex digits.  ASCII input (all RFC 3461 defines) gives plain xtext.
+    """
+    out: list[str] = []
+    for octet in value.encode("utf-8"):
+        if 0x21 <= octet <= 0x7E and octet not in (0x2B, 0x3D):
+            out.append(chr(octet))
+        else:
+            out.append(f"+{octet:02X}")
+    return "".join(out)
+
+
+def xtext_decode(value: str) -> str:
+    """Decode RFC 3461 xtext (section 4): "+HH" becomes the octet HH.
+
+    The octets are read as UTF-8 (a superset of the ASCII RFC 3461 carries), so
+    ``xtext_decode(xtext_encode(s)) == s`` for any string.  Raises ``ProtocolError`` for
+    anything that is not xtext: a character outside "!".."~", a bare "=", a "+" without two
+    hex digits, or octets that are not UTF-8.
+    """
+    data = bytearray()
+    pos = 0
+    while pos < len(value):
+        match = _XTEXT_TOKEN.match(value, pos)
+        if match is None:
+            raise ProtocolError(f"not xtext (RFC 3461 section 4) at offset {pos}: {value!r}")
+        hexchar, run = match.groups()
+        if hexchar is not None:
+            data.append(int(hexchar, 16))
+        else:
+            data += run.encode("ascii")
+        pos = match.end()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"xtext does not decode to UTF-8: {value!r}") from exc
+
+
+def _is_qchar(char: str) -> bool:
+    # RFC 6533 section 3: QCHAR is printable ASCII except "+", "=" and "\".
+    return "\x21" <= char <= "\x7e" and char not in "+=\\"
+
+
+def utf8_xtext_encode(value: str) -> str:
+    """Encode an address as RFC 6533 utf-8-addr-xtext (section 3), the 7-bit form.
+
+    Every character that is not a QCHAR (printable ASCII except "+", "=" and "\\") becomes
+    ``\\x{HEX}`` with its code point in upper-case hex, so ``usér@example.com`` is
+    ``us\\x{E9}r@example.com``.  This is how an internationalized address is written in the
+    ASCII-only ``message/delivery-status`` part.
+    """
+    return "".join(char if _is_qchar(char) else f"\\x{{{ord(char):02X}}}" for char in value)
+
+
+def utf8_xtext_decode(value: str) -> str:
+    """Decode RFC 6533 utf-8-addr-xtext or utf-8-addr-unitext (section 3).
+
+    ``\\x{HEX}`` becomes the character with that code point; QCHARs and (the unitext form)
+    non-ASCII characters stand for themselves.  Raises ``ProtocolError`` for anything else:
+    a bare "\\", "+", "=", space or control character, or an escape that is not a Unicode
+    scalar value.
+    """
+    out: list[str] = []
+    pos = 0
+    while pos < len(value):
+        char = value[pos]
+        if char == "\\":
+            match = _EMBEDDED_CHAR.match(value, pos)
+            if match is None:
+                raise ProtocolError(f"bad \\x{{...}} escape at offset {pos}: {value!r}")
+            code = int(match.group(1), 16)
+            if code > _MAX_CODE_POINT or 0xD800 <= code <= 0xDFFF:
+                raise ProtocolError(f"\\x{{{match.group(1)}}} is not a Unicode scalar value")
+            out.append(chr(code))
+            pos = match.end()
+        elif _is_qchar(char) or (char > "\x7f" and unicodedata.category(char) != "Cs"):
+            out.append(char)
+            pos += 1
+        else:
+            raise ProtocolError(f"character {char!r} not allowed at offset {pos}: {value!r}")
+    return "".join(out)
