@@ -33,6 +33,11 @@ class IdGenerator:
         self._last = candidate
         return candidate
 
+    @property
+    def last(self) -> int:
+        """The largest id issued (or the floor): what must survive a restart."""
+        return self._last
+
     def raise_floor(self, floor: int) -> None:
         """Never issue ``floor`` or anything below it (ids seen in the store)."""
         self._last = max(self._last, floor)

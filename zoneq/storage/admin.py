@@ -16,8 +16,7 @@ from zoneq.storage.records import (
     MessageMeta,
     Recipient,
     State,
-    decode_head,
-    encode_head,
+    recipient_domain,
 )
 
 
@@ -66,6 +65,8 @@ class AdminMixin(StoreBase):
         page: list[Recipient] = []
         last: bytes | None = None
         for key, record in self._records(prefix, start=start):
+            if state is State.LEASED and key not in self._leases:
+                continue
             page.append(record)
             last = key
             if len(page) >= limit:
@@ -76,40 +77,38 @@ class AdminMixin(StoreBase):
         """Remove a message (or one recipient of it) from the queue, no DSN; how many."""
         self._check()
         mid = format_id(msg_id)
+        # Works from raw keys, so a message with a corrupt record (or metadata) can still be
+        # removed by an administrator; only a one-recipient drop needs a readable head.
+        head = self._read_head(msg_id) if address is not None else None
         ops: list[Op] = []
         dropped = 0
-        for queued in self.recipients(msg_id):
-            record = queued.recipient
-            if address is not None and record.address != address:
+        for state, key, record in list(self._raw_records(msg_id)):
+            _, zone, _, rcpt = keys.decode_record(key)
+            if address is not None and rcpt != address:
                 continue
-            ops.extend(self._remove_record(queued))
-            ops.append(
-                self._event_op(
-                    Event(
-                        EventKind.DROPPED,
-                        now_ms,
-                        record.zone,
-                        mid,
-                        record.address,
-                        record.domain,
-                        id_time_ms(msg_id),
-                        attempt=record.attempts,
-                    )
-                )
+            ops.extend(self._remove_key(key, state, record))
+            event = Event(
+                EventKind.DROPPED,
+                now_ms,
+                zone,
+                mid,
+                rcpt,
+                recipient_domain(rcpt),
+                id_time_ms(msg_id),
+                attempt=record.attempts if record is not None else 0,
             )
+            ops.append(self._event_op(event))
             dropped += 1
-        if not dropped:
-            what = f"recipient {address}" if address is not None else "recipient"
-            raise NotFound(f"no queued {what} in message {mid}")
-        head_key = keys.message_head(msg_id)
-        value = self._writer.read(head_key)
-        if value is not None:
-            created, remaining = decode_head(head_key, value)
-            if remaining > dropped:
-                ops.append((head_key, encode_head(created, remaining - dropped)))
-            else:
+        if head is not None:
+            if not dropped:
+                raise NotFound(f"no queued recipient {address} in message {mid}")
+            ops.extend(self._recipients_gone(msg_id, head, dropped))
+        elif dropped or self._writer.read(keys.message_head(msg_id)) is not None:
+            if self._writer.read(keys.message_head(msg_id)) is not None:
                 self._counters.add(MESSAGES, -1)
-                ops.extend(self._message_deletes(msg_id))
+            ops.extend(self._message_deletes(msg_id))
+        else:
+            raise NotFound(f"no queued message {mid}")
         await self._writer.submit(ops, sync=False)
         return dropped
 

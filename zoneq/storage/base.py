@@ -24,10 +24,12 @@ from zoneq.storage import keys
 from zoneq.storage.counters import MESSAGES, Counters
 from zoneq.storage.leveldb import Database, Op
 from zoneq.storage.records import (
+    MessageMeta,
     Recipient,
     State,
     decode_head,
     encode_head,
+    recipient_domain,
 )
 from zoneq.storage.writer import GroupWriter
 
@@ -89,19 +91,43 @@ class StoreBase:
         self.chunk_size = chunk_size
         self._next_reopen = 0.0
         self._counters = Counters()
-        self._writer = GroupWriter(db, seal=self._counters.seal, on_failure=self._on_failure)
+        self._writer = GroupWriter(db, seal=self._seal, on_failure=self._on_failure)
+        # Message ids and event ids must never repeat, even after the queue emptied or the
+        # clock stepped back across a restart: old events (and an export's watermark) refer
+        # to them.  Their floors are persisted with every group (see _seal).
         self._ids = IdGenerator()
-        self._event_seq = itertools.count(1)
+        self._event_ids = IdGenerator()
+        self._floors_written = (0, 0)
         self._tokens = itertools.count(secrets.randbits(48))
         self._leases: dict[bytes, Lease] = {}
         self._cursors: dict[str, bytes] = {}
         self._due_marks: dict[str, bytes] = {}
-        self._receiving: set[int] = set()
+        # Messages whose DATA is streaming in: id -> chunks staged so far (highest index + 1).
+        # Kept because a chunk write may still be staged (not on disk) when the message is
+        # abandoned; its delete must be staged too, or the chunk lands after the marker is gone
+        # and nothing would ever find it again.
+        self._receiving: dict[int, int] = {}
         self.quarantined: list[StorageCorruption] = []
 
-    def recover(self) -> int:
+    def recover(self, *, receiving: dict[int, int] | None = None) -> int:
         """Reload in-memory state from disk (``maintenance.py``)."""
         raise NotImplementedError
+
+    def _seal(self) -> list[Op]:
+        """Writes every group carries: changed counters, and the id floors when they moved."""
+        ops = self._counters.seal()
+        floors = (self._ids.last, self._event_ids.last)
+        if floors != self._floors_written:
+            ops.append((keys.meta("floors"), keys.u64(floors[0]) + keys.u64(floors[1])))
+            self._floors_written = floors
+        return ops
+
+    def _load_floors(self) -> None:
+        value = self._db.get(keys.meta("floors"))
+        if value is not None and len(value) == 16:
+            self._ids.raise_floor(int.from_bytes(value[:8], "big"))
+            self._event_ids.raise_floor(int.from_bytes(value[8:], "big"))
+        self._floors_written = (self._ids.last, self._event_ids.last)
 
     def _on_failure(self, exc: StorageUnavailable) -> None:
         # LevelDB's error is sticky: leave the handle failed until reopen() succeeds.
@@ -111,10 +137,13 @@ class StoreBase:
         """Clear a sticky write error: reopen the database and reload state from disk.
 
         Raises ``StorageUnavailable`` while the cause persists (a full disk makes even the
-        reopen fail); the owner retries later.  Callers see 4xx in the meantime.
+        reopen fail); the owner retries later.  Callers see 4xx in the meantime.  Messages
+        still streaming in keep their chunks: a session whose own chunk write failed was
+        told so and abandons its message; the others carry on.
         """
+        receiving = dict(self._receiving)
         self._db.reopen()
-        self.recover()
+        self.recover(receiving=receiving)
         self._writer.reset()
 
     @property
@@ -203,12 +232,16 @@ class StoreBase:
         except (StorageCorruption, ValueError, UnicodeDecodeError) as exc:
             # Quarantine: report it and go on with the rest of the queue.
             error = exc if isinstance(exc, StorageCorruption) else StorageCorruption(key, str(exc))
-            if all(q.key != key for q in self.quarantined):
-                self.quarantined.append(error)
+            self._quarantine(error)
             return None
 
+    def _quarantine(self, error: StorageCorruption) -> None:
+        if all(q.key != error.key for q in self.quarantined):
+            self.quarantined.append(error)
+
     def _event_op(self, event: Event) -> Op:
-        return (keys.event(event.time_ms, next(self._event_seq)), msgpack.packb(event.to_record()))
+        event_id = self._event_ids.next(event.time_ms)
+        return (keys.event(event_id), msgpack.packb(event.to_record()))
 
     def _outcome_event(
         self, kind: EventKind, record: Recipient, now_ms: int, outcome: Outcome
@@ -244,13 +277,46 @@ class StoreBase:
         record = queued.recipient
         state = State.READY if queued.state is State.LEASED else queued.state
         key = keys.record(STATE_FAMILY[state], record.zone, record.msg_id, record.address)
+        return self._remove_key(key, state, record)
+
+    def _remove_key(self, key: bytes, state: State, record: Recipient | None) -> list[Op]:
+        """Writes removing one record, from its key alone if its value cannot be read."""
+        _, zone, msg_id, address = keys.decode_record(key)
         self._leases.pop(key, None)  # revoked: the worker's report will be refused
         ops: list[Op] = [(key, None)]
-        if state is State.DEFERRED:
-            due_key = keys.due(record.zone, record.next_attempt_ms, record.msg_id, record.address)
-            ops.append((due_key, None))
-        self._counters.move(record.zone, record.domain, state, None)
+        if state is State.DEFERRED and record is not None:
+            # (A corrupt deferred record leaves its due entry; promote_due drops dangling ones.)
+            ops.append((keys.due(zone, record.next_attempt_ms, msg_id, address), None))
+        self._counters.move(zone, recipient_domain(address), state, None)
         return ops
+
+    def _message_zones(self, msg_id: int) -> tuple[str, ...]:
+        """The zones a message has records in, from its metadata or, if that is unreadable,
+        every zone with anything queued (so even a damaged message can be found)."""
+        key = keys.message_meta(msg_id)
+        value = self._writer.read(key)
+        if value is not None:
+            try:
+                zones: tuple[str, ...] = MessageMeta.decode(key, msg_id, value).zones
+                return zones
+            except StorageCorruption as exc:
+                self._quarantine(exc)
+        return tuple(sorted(self._counters.zones()))
+
+    def _raw_records(self, msg_id: int) -> Iterator[tuple[State, bytes, Recipient | None]]:
+        """Every record of a message, decodable or not, as the latest staged state shows."""
+        pending = self._writer.pending
+        missing = GroupWriter.MISSING
+        for zone in self._message_zones(msg_id):
+            for family, state in FAMILY_STATE.items():
+                prefix = keys.record_message_prefix(family, zone, msg_id)
+                for key, durable in self._db.items(prefix=prefix):
+                    staged = pending(key)
+                    if staged is None:
+                        continue
+                    value = durable if staged is missing else staged
+                    assert isinstance(value, bytes)
+                    yield state, key, self._decode_record(key, value)
 
     async def _make_ready(self, chosen: Iterable[QueuedRecipient]) -> int:
         ops: list[Op] = []
@@ -270,15 +336,23 @@ class StoreBase:
             await self._writer.submit(ops, sync=False, effect=self._readied(oldest))
         return moved
 
-    def _recipient_gone(self, msg_id: int) -> list[Op]:
-        """Writes for one recipient leaving the queue: the head's count, or the whole message."""
+    def _read_head(self, msg_id: int) -> tuple[int, int]:
+        """``(created_ms, recipients still queued)``; raises, changing nothing, if it is bad.
+
+        Read before a transition changes anything, so a missing or corrupt head leaves the
+        lease, the counters and the record as they were.
+        """
         head_key = keys.message_head(msg_id)
         value = self._writer.read(head_key)
         if value is None:
             raise NotFound(f"message {format_id(msg_id)} has no head")
-        created, remaining = decode_head(head_key, value)
-        if remaining > 1:
-            return [(head_key, encode_head(created, remaining - 1))]
+        return decode_head(head_key, value)
+
+    def _recipients_gone(self, msg_id: int, head: tuple[int, int], gone: int = 1) -> list[Op]:
+        """Writes for ``gone`` recipients leaving the queue: the head's count, or the message."""
+        created, remaining = head
+        if remaining > gone:
+            return [(keys.message_head(msg_id), encode_head(created, remaining - gone))]
         self._counters.add(MESSAGES, -1)
         return self._message_deletes(msg_id)
 

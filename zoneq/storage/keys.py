@@ -13,12 +13,16 @@ must keep three promises for any zone name or address (spaces, ``~``, NUL, any U
 3. every element can be decoded back.
 
 ZoneMTA joined elements with spaces, which breaks 1 as soon as a zone or an address contains
-one.  Here text is UTF-8 with every ``0x00`` written as ``0x00 0xFF`` and a single ``0x00``
-ending it (the byte-string rule of FoundationDB's tuple layer): ``0x00`` sorts below every
-other byte, so a shorter string sorts first, and the escape keeps the terminator unambiguous.
-Integers (message ids, times, sequence and chunk numbers) are fixed-width big-endian
-unsigned, which sorts numerically.  Each family has a fixed element schema, so no type tags
-are needed.  The family name leads every key as readable text, as in ZoneMTA.
+one.  Here text is UTF-8 with ``0x01`` written as ``0x01 0x02`` and ``0x00`` as ``0x01 0x01``,
+and a single ``0x00`` ending it.  The encoded text never contains ``0x00``, so the terminator
+is unambiguous whatever follows it (a raw integer may start with any byte), no encoded
+string is a prefix of another's encoding, and since ``0x00`` sorts below every byte of
+encoded text a shorter string sorts first; the escapes keep ``0x00 < 0x01 < 0x02``.
+(FoundationDB's ``0x00 0xFF`` escape is not prefix-free without its type codes: zone ``a``
+would be a prefix of zone ``a<NUL>b``.)  Integers (message ids, event ids, times, chunk
+numbers) are fixed-width big-endian unsigned, which sorts numerically.  Each family has a
+fixed element schema, so no type tags are needed.  The family name leads every key as
+readable text, as in ZoneMTA.
 
 Families (ARCHITECTURE.md section 3, with the recipient record split by state, see
 ``zoneq/storage/store.py``)::
@@ -31,13 +35,14 @@ Families (ARCHITECTURE.md section 3, with the recipient record split by state, s
     deferred <zone> <id:u64> <rcpt>        recipient waiting for its next attempt
     due <zone> <ms:u64> <id:u64> <rcpt>    deferred index, ordered by next-attempt time
     held <zone> <id:u64> <rcpt>            recipient on hold by an administrator
-    event <ms:u64> <seq:u64>               delivery event
+    event <event-id:u64>                   delivery event (time-ordered id, as message ids)
     counter <name> <zone> <sub>            persisted O(1) counter (u64 value)
     meta <name>                            store-wide values (schema version, ...)
 """
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Iterator
 from typing import Final
@@ -45,7 +50,7 @@ from typing import Final
 _U64: Final = struct.Struct(">Q")
 _U32: Final = struct.Struct(">I")
 _TERM: Final = b"\x00"
-_ESCAPED_NUL: Final = b"\x00\xff"
+_UNESCAPE: Final = re.compile(b"\x01([\x01\x02])")
 
 
 def text(value: str) -> bytes:
@@ -54,8 +59,9 @@ def text(value: str) -> bytes:
         raw = value.encode()
     except UnicodeEncodeError:  # lone surrogates (undecodable input kept as-is)
         raw = value.encode("utf-8", "surrogatepass")
-    if b"\x00" in raw:
-        raw = raw.replace(b"\x00", _ESCAPED_NUL)
+    if b"\x00" in raw or b"\x01" in raw:
+        # 0x01 first, so the 0x01 bytes the second replace inserts are not escaped again.
+        raw = raw.replace(b"\x01", b"\x01\x02").replace(b"\x00", b"\x01\x01")
     return raw + _TERM
 
 
@@ -127,8 +133,8 @@ def due(zone: str, due_ms: int, msg_id: int, rcpt: str) -> bytes:
     return DUE + text(zone) + _U64.pack(due_ms) + _U64.pack(msg_id) + text(rcpt)
 
 
-def event(time_ms: int, seq: int) -> bytes:
-    return EVENT + _U64.pack(time_ms) + _U64.pack(seq)
+def event(event_id: int) -> bytes:
+    return EVENT + _U64.pack(event_id)
 
 
 def counter(name: str, zone: str, sub: str) -> bytes:
@@ -144,18 +150,13 @@ def meta(name: str) -> bytes:
 
 def _read_text(key: bytes, pos: int) -> tuple[str, int]:
     """Decode one text element starting at ``pos``; return it and the position after it."""
-    out = bytearray()
-    n = len(key)
-    while True:
-        end = key.find(b"\x00", pos)
-        if end < 0:
-            raise ValueError(f"unterminated text element in key {key!r}")
-        out += key[pos:end]
-        if end + 1 < n and key[end + 1] == 0xFF:
-            out += b"\x00"
-            pos = end + 2
-            continue
-        return out.decode("utf-8", "surrogatepass"), end + 1
+    end = key.find(b"\x00", pos)
+    if end < 0:
+        raise ValueError(f"unterminated text element in key {key!r}")
+    raw = key[pos:end]
+    if b"\x01" in raw:
+        raw = _UNESCAPE.sub(lambda m: b"\x00" if m.group(1) == b"\x01" else b"\x01", raw)
+    return raw.decode("utf-8", "surrogatepass"), end + 1
 
 
 def split_text(key: bytes, pos: int = 0) -> tuple[str, int]:
@@ -205,9 +206,9 @@ def decode_receiving(key: bytes) -> int:
     return int(msg_id)
 
 
-def decode_event(key: bytes) -> tuple[int, int]:
-    time_ms, seq = struct.unpack_from(">QQ", key, len(EVENT))
-    return int(time_ms), int(seq)
+def decode_event(key: bytes) -> int:
+    (event_id,) = _U64.unpack_from(key, len(EVENT))
+    return int(event_id)
 
 
 def decode_counter(key: bytes) -> tuple[str, str, str]:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import msgpack
 
 from zoneq.protocol.events import Event
-from zoneq.protocol.ids import id_time_ms
+from zoneq.protocol.ids import COUNTER_BITS, id_time_ms
 from zoneq.storage import keys
 from zoneq.storage.base import FAMILY_STATE, StoreBase
 from zoneq.storage.counters import MESSAGES, domain_key, zone_key
@@ -19,17 +19,19 @@ from zoneq.storage.records import (
 
 
 class MaintenanceMixin(StoreBase):
-    def recover(self) -> int:
+    def recover(self, *, receiving: dict[int, int] | None = None) -> int:
         """Make the in-memory state match the disk; return the number of orphans swept.
 
         Called once after open (before any traffic) and after a reopen.  Every lease is gone,
-        so every recipient that was in flight is ready again at once.
+        so every recipient that was in flight is ready again at once.  ``receiving``: the
+        messages still streaming in across a reopen, which are not orphans.
         """
         self._leases.clear()
         self._cursors.clear()
         self._due_marks.clear()
-        self._receiving.clear()
+        self._receiving = dict(receiving or {})
         self._counters.load(self._db)
+        self._load_floors()
         last_message = next(self._db.keys(prefix=keys.MESSAGE, reverse=True), None)
         last_receiving = next(self._db.keys(prefix=keys.RECEIVING, reverse=True), None)
         floor = 0
@@ -40,9 +42,10 @@ class MaintenanceMixin(StoreBase):
         self._ids.raise_floor(floor)
         last_event = next(self._db.keys(prefix=keys.EVENT, reverse=True), None)
         if last_event is not None:
-            self._event_seq = itertools.count(keys.decode_event(last_event)[1] + 1)
-        # No DATA is in progress at start-up: every receiving marker is an orphan.
-        orphans = self._orphans(lambda _id: True)
+            self._event_ids.raise_floor(keys.decode_event(last_event))
+        # Every receiving marker is an orphan but those of messages still streaming in
+        # (none at start-up; after a runtime reopen, the sessions that go on).
+        orphans = self._orphans(lambda msg_id: msg_id not in self._receiving)
         if orphans:
             self._db.write(orphans, sync=True)
         return sum(1 for key, _ in orphans if key.startswith(keys.RECEIVING))
@@ -80,11 +83,11 @@ class MaintenanceMixin(StoreBase):
 
     async def trim_events(self, before_ms: int, limit: int = 50_000) -> int:
         """Delete events older than ``before_ms`` (retention); how many."""
+        self._check()
+        stop = keys.event(before_ms << COUNTER_BITS)  # event ids are time-ordered like msg ids
         ops: list[Op] = [
             (key, None)
-            for key in itertools.islice(
-                self._db.keys(start=keys.EVENT, stop=keys.EVENT + keys.u64(before_ms)), limit
-            )
+            for key in itertools.islice(self._db.keys(start=keys.EVENT, stop=stop), limit)
         ]
         if ops:
             await self._writer.submit(ops, sync=False)

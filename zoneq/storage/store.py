@@ -70,16 +70,20 @@ class QueueStore(AdminMixin, MaintenanceMixin):
         """A new message id for a DATA (or API submission) about to stream in."""
         self._check()
         msg_id = self._ids.next(now_ms)
-        self._receiving.add(msg_id)
+        self._receiving[msg_id] = 0
         return msg_id
 
     async def write_chunk(self, msg_id: int, index: int, data: bytes) -> None:
         """Store body chunk ``index`` (unsynced: the commit's sync makes it durable)."""
+        self._check()
         ops: list[Op] = [(keys.message_chunk(msg_id, index), data)]
         if index == 0:
             # The marker goes in the same batch as the first chunk, so no chunk is ever on
             # disk without it: the sweep finds every orphan by scanning markers only.
             ops.append((keys.receiving(msg_id), b""))
+        staged = self._receiving.get(msg_id)
+        if staged is not None and index >= staged:
+            self._receiving[msg_id] = index + 1
         await self._writer.submit(ops, sync=False)
 
     async def commit(
@@ -103,12 +107,15 @@ class QueueStore(AdminMixin, MaintenanceMixin):
         try:
             await self._writer.submit(ops, sync=self.sync_commits, effect=self._readied(ready))
         finally:
-            self._receiving.discard(meta.msg_id)
+            self._receiving.pop(meta.msg_id, None)
 
     async def abandon(self, msg_id: int) -> None:
         """The client went away mid-DATA (or the message was refused): remove its chunks."""
-        self._receiving.discard(msg_id)
-        ops = self._chunk_deletes(msg_id)
+        self._check()
+        staged = self._receiving.pop(msg_id, 0)
+        doomed = {keys.message_chunk(msg_id, index) for index in range(staged)}
+        doomed.update(key for key, _ in self._chunk_deletes(msg_id))
+        ops: list[Op] = [(key, None) for key in sorted(doomed)]
         ops.append((keys.receiving(msg_id), None))
         await self._writer.submit(ops, sync=False)
 
@@ -125,7 +132,7 @@ class QueueStore(AdminMixin, MaintenanceMixin):
             raise ValueError("a message needs at least one recipient")
         msg_id = meta.msg_id
         id_bytes = keys.u64(msg_id)
-        ops: list[Op] = [(keys.message_head(msg_id), encode_head(now_ms, len(recipients)))]
+        ops: list[Op] = []
         append = ops.append
         values: dict[tuple[str, tuple[str, ...], str | None], bytes] = {}
         zone_prefixes: dict[str, bytes] = {}
@@ -133,11 +140,16 @@ class QueueStore(AdminMixin, MaintenanceMixin):
         per_domain: dict[tuple[str, str], int] = {}
         oldest: dict[str, bytes] = {}
         text = keys.text
+        seen: set[bytes] = set()
         for rcpt in recipients:
             zone = rcpt.zone
             prefix = zone_prefixes.get(zone)
             if prefix is None:
                 prefix = zone_prefixes[zone] = ready_prefix(zone) + id_bytes
+            key = prefix + text(rcpt.address)
+            if key in seen:
+                continue  # a recipient given twice is delivered once (as Postfix does)
+            seen.add(key)
             domain = recipient_domain(rcpt.address)
             shape = (domain, rcpt.notify, rcpt.orcpt)
             value = values.get(shape)
@@ -145,7 +157,6 @@ class QueueStore(AdminMixin, MaintenanceMixin):
                 value = values[shape] = Recipient(
                     zone, msg_id, rcpt.address, domain, notify=rcpt.notify, orcpt=rcpt.orcpt
                 ).encode()
-            key = prefix + text(rcpt.address)
             append((key, value))
             per_zone[zone] = per_zone.get(zone, 0) + 1
             per_domain[zone, domain] = per_domain.get((zone, domain), 0) + 1
@@ -172,7 +183,8 @@ class QueueStore(AdminMixin, MaintenanceMixin):
             )
             append(self._event_op(event))
         add(MESSAGES, 1)
-        append((keys.message_meta(msg_id), meta.encode(tuple(per_zone), len(recipients))))
+        append((keys.message_head(msg_id), encode_head(now_ms, len(seen))))
+        append((keys.message_meta(msg_id), meta.encode(tuple(per_zone), len(seen))))
         return ops, oldest
 
     def lease(
@@ -224,15 +236,17 @@ class QueueStore(AdminMixin, MaintenanceMixin):
             self._cursors[zone] = last + b"\x00"  # the next possible key after ``last``
         return leases
 
-    def _take(self, lease: Lease) -> Lease:
+    def _current(self, lease: Lease) -> None:
         current = self._leases.get(lease.key)
         if current is None or current.token != lease.token:
             raise LeaseError(
                 f"lease {lease.token} for {lease.recipient.address} in zone "
                 f"{lease.recipient.zone} is not current (released, expired or taken over)"
             )
+
+    def _take(self, lease: Lease) -> None:
+        self._current(lease)
         del self._leases[lease.key]
-        return current
 
     def release(self, lease: Lease) -> None:
         """Give a lease back unchanged (the worker did not try): ready again at once."""
@@ -249,12 +263,14 @@ class QueueStore(AdminMixin, MaintenanceMixin):
     async def complete(self, lease: Lease, now_ms: int, outcome: Outcome) -> None:
         """Delivered: the recipient leaves the queue (and the message with its last one)."""
         self._check()
+        self._current(lease)  # a stale lease is refused before anything else is looked at
+        head = self._read_head(lease.recipient.msg_id)
         self._take(lease)
         record = lease.recipient.after_attempt(now_ms, outcome.reply)
         ops: list[Op] = [(lease.key, None)]
         ops.append(self._outcome_event(EventKind.DELIVERED, record, now_ms, outcome))
         self._counters.move(record.zone, record.domain, State.READY, None)
-        ops.extend(self._recipient_gone(record.msg_id))
+        ops.extend(self._recipients_gone(record.msg_id, head))
         await self._writer.submit(ops, sync=False)
 
     async def defer(
@@ -286,13 +302,15 @@ class QueueStore(AdminMixin, MaintenanceMixin):
         a crash can neither lose the DSN nor queue it twice.
         """
         self._check()
+        self._current(lease)  # a stale lease is refused before anything else is looked at
+        head = self._read_head(lease.recipient.msg_id)
         self._take(lease)
         record = lease.recipient.after_attempt(now_ms, outcome.reply)
         kind = EventKind.EXPIRED if expired else EventKind.BOUNCED
         ops: list[Op] = [(lease.key, None)]
         ops.append(self._outcome_event(kind, record, now_ms, outcome))
         self._counters.move(record.zone, record.domain, State.READY, None)
-        ops.extend(self._recipient_gone(record.msg_id))
+        ops.extend(self._recipients_gone(record.msg_id, head))
         effect = None
         if notice is not None:
             notice_ops, ready = self._notice_ops(notice, now_ms)
