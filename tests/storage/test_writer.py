@@ -1,0 +1,342 @@
+"""Group commit: grouping, read-your-writes through the overlay, and failure handling."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.storage.conftest import (
+    MINUTE,
+    T0,
+    FaultyDatabase,
+    StoreFactory,
+    assert_consistent,
+    async_test,
+    make_meta,
+    queue_message,
+    rcpts,
+)
+from zoneq.errors import LeaseError, NotFound, StorageUnavailable
+from zoneq.storage import keys
+from zoneq.storage.leveldb import Database
+from zoneq.storage.records import State
+from zoneq.storage.store import Outcome, QueueStore
+from zoneq.storage.writer import GroupWriter
+
+Z = "default"
+OK = Outcome(reply="250 ok", code=250)
+
+
+async def commit_whole(store: QueueStore, n: int, now_ms: int = T0) -> int:
+    """One message, body included in the commit's batch (``tail``)."""
+    msg_id = store.begin(now_ms)
+    body = b"message %d\r\n" % n
+    meta = make_meta(msg_id, size=len(body), chunks=1)
+    await store.commit(meta, rcpts((f"user{n}@example.org", Z)), now_ms, tail=body)
+    return msg_id
+
+
+async def wait_for_write(db: FaultyDatabase) -> None:
+    """Until the writer thread has entered ``write`` (and waits at the gate)."""
+    for _ in range(5000):
+        if db.entered.is_set():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("the writer never started a write")
+
+
+# --- grouping ---------------------------------------------------------------------------
+
+
+@async_test
+async def test_concurrent_commits_share_groups_and_all_are_durable(stores: StoreFactory) -> None:
+    store = stores.open(faulty=True)
+    db = stores.faulty(store)
+    groups, writes = store._writer.groups_written, db.writes
+    ids = await asyncio.gather(*(commit_whole(store, n) for n in range(200)))
+    assert len(set(ids)) == 200
+    groups_used = store._writer.groups_written - groups
+    assert 1 <= groups_used <= 5, groups_used  # far below one fsync per commit
+    assert db.writes - writes == groups_used
+    assert all(db.syncs[-groups_used:])  # each group carried a commit: synced
+    assert store.message_count() == 200
+    await assert_consistent(store)
+    await store.close()
+
+    fresh = stores.open()  # a fresh store on the same directory finds every message
+    assert fresh.message_count() == 200
+    for n, msg_id in enumerate(ids):
+        assert fresh.message(msg_id).chunks == 1
+        assert list(fresh.body(msg_id)) == [b"message %d\r\n" % n]
+    leased = fresh.lease(Z, 1000, "w")
+    assert sorted(lease.recipient.msg_id for lease in leased) == sorted(ids)
+    assert fresh.counters() == fresh.recount()
+
+
+@async_test
+async def test_concurrent_outcomes_share_groups(store: QueueStore) -> None:
+    for n in range(10):
+        await queue_message(store, [(f"u{i}@example.org", Z) for i in range(10)], now_ms=T0 + n)
+    leases = store.lease(Z, 100, "w")
+    groups = store._writer.groups_written
+    await asyncio.gather(
+        *(
+            store.complete(lease, T0, OK)
+            if i % 2
+            else store.defer(lease, T0, T0 + MINUTE, Outcome(reply="451"))
+            for i, lease in enumerate(leases)
+        )
+    )
+    assert store._writer.groups_written - groups <= 5
+    assert store.count(Z, State.DEFERRED) == 50
+    assert store.message_count() == 10
+    await assert_consistent(store)
+
+
+@async_test
+async def test_group_writer_groups_seals_and_runs_effects_in_order(tmp_path: Path) -> None:
+    db = Database(tmp_path / "w")
+    seals: list[int] = []
+
+    def seal() -> list[tuple[bytes, bytes | None]]:
+        seals.append(len(seals))
+        return [(b"sealed-%d" % len(seals), b"")]
+
+    writer = GroupWriter(db, seal=seal)
+    effects: list[int] = []
+
+    def effect(i: int) -> Callable[[], None]:
+        def run() -> None:
+            # An effect runs only once its transition is on disk.
+            assert db.get(b"key-%03d" % i) == b"value"
+            effects.append(i)
+
+        return run
+
+    try:
+        futures = [
+            writer.submit([(b"key-%03d" % i, b"value")], sync=i == 0, effect=effect(i))
+            for i in range(100)
+        ]
+        # Staged, not yet durable: visible through the overlay only.
+        assert writer.read(b"key-000") == b"value"
+        assert writer.pending(b"key-000") == b"value"
+        await asyncio.gather(*futures)
+        assert writer.groups_written == len(seals) <= 2
+        assert writer.ops_written == 100 + len(seals)
+        assert effects == list(range(100))
+        assert writer.pending(b"key-000") is GroupWriter.MISSING  # overlay cleaned up
+        assert writer.read(b"key-099") == b"value"
+        assert db.get(b"sealed-1") == b""
+
+        # A staged delete hides a durable key until it lands, then it is gone.
+        gone = writer.submit([(b"key-000", None)], sync=False)
+        assert writer.pending(b"key-000") is None
+        assert writer.read(b"key-000") is None
+        await gone
+        assert db.get(b"key-000") is None
+        await writer.drain()
+        assert not writer.busy
+    finally:
+        writer.close()
+        db.close()
+
+
+# --- read-your-writes -------------------------------------------------------------------
+
+
+@async_test
+async def test_overlay_shows_staged_writes_before_the_group_lands(stores: StoreFactory) -> None:
+    store = stores.open(faulty=True)
+    db = stores.faulty(store)
+    older = await queue_message(store, [("a@example.org", Z), ("b@example.org", Z)])
+    first, second = store.lease(Z, 2, "w")
+    await store.complete(first, T0, OK)
+
+    db.gate = threading.Event()
+    db.entered.clear()
+    newer = store.begin(T0)
+    committing = asyncio.ensure_future(
+        store.commit(
+            make_meta(newer, size=4, chunks=1), rcpts(("c@example.org", Z)), T0, tail=b"body"
+        )
+    )
+    await wait_for_write(db)  # the commit's group is being written
+    completing = asyncio.ensure_future(store.complete(second, T0, OK))  # the next group
+    await asyncio.sleep(0)
+
+    # The commit is readable although not on disk yet ...
+    assert store.database.get(keys.message_meta(newer)) is None
+    assert store.message(newer).msg_id == newer
+    assert store.chunk(newer, 0) == b"body"
+    # ... but nothing is leased before it is safe on disk.
+    assert store.lease(Z, 10, "w") == []
+    # The staged completion of the last recipient hides the whole older message at once.
+    assert store.database.get(keys.message_meta(older)) is not None
+    with pytest.raises(NotFound):
+        store.message(older)
+    assert store.browse(Z)[0] == []
+
+    db.gate.set()
+    await asyncio.gather(committing, completing)
+    (lease,) = store.lease(Z, 10, "w")
+    assert lease.recipient.msg_id == newer
+    assert store.database.get(keys.message_meta(older)) is None
+    await assert_consistent(store)
+
+
+# --- failures ---------------------------------------------------------------------------
+
+
+@async_test
+async def test_failed_write_fails_every_pending_future_until_reopen(
+    stores: StoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(QueueStore, "REOPEN_INTERVAL_S", 0.25)
+    store = stores.open(faulty=True)
+    db = stores.faulty(store)
+    durable = [await commit_whole(store, n) for n in range(3)]
+    old_lease = store.lease(Z, 1, "w")[0]
+    events_before = list(store.events())
+    counters_before = store.counters()
+
+    db.gate = threading.Event()
+    db.entered.clear()
+    in_flight = asyncio.gather(
+        *(commit_whole(store, n) for n in range(10, 15)), return_exceptions=True
+    )
+    await wait_for_write(db)
+    # Staged on top of the failing group: must fail too, it cannot land after it.
+    streaming = store.begin(T0)
+    staged = asyncio.gather(
+        *(commit_whole(store, n) for n in range(20, 25)),
+        store.complete(old_lease, T0, OK),
+        store.write_chunk(streaming, 0, b"chunk"),
+        return_exceptions=True,
+    )
+    await asyncio.sleep(0)
+    db.unavailable = True  # the write fails, and the disk stays bad for a while
+    db.gate.set()
+    results = list(await in_flight) + list(await staged)
+    assert len(results) == 12
+    assert all(isinstance(r, StorageUnavailable) for r in results), results
+    assert isinstance(store.failure, StorageUnavailable)
+
+    # While the cause lasts, everything refuses with StorageUnavailable (a 4xx).
+    with pytest.raises(StorageUnavailable):
+        await commit_whole(store, 30)
+    with pytest.raises(StorageUnavailable):
+        store.lease(Z, 10, "w")
+    with pytest.raises(StorageUnavailable):
+        store.begin(T0)
+    with pytest.raises(StorageUnavailable):
+        await store.write_chunk(streaming, 1, b"more")
+    with pytest.raises(StorageUnavailable):
+        await store.complete(old_lease, T0, OK)
+
+    # The cause is gone; the store retries its reopen after REOPEN_INTERVAL_S at most.
+    db.unavailable = False
+    if time.monotonic() < store._next_reopen - 0.05:
+        with pytest.raises(StorageUnavailable):
+            store.begin(T0)
+    await asyncio.sleep(QueueStore.REOPEN_INTERVAL_S + 0.05)
+    leases = store.lease(Z, 10, "w")  # no explicit reopen: the store healed itself
+    assert store.failure is None
+
+    # The state is the disk's: nothing of the failed groups, the old lease is void.
+    assert sorted(lease.recipient.msg_id for lease in leases) == durable
+    assert store.message_count() == 3
+    assert store.counters() == counters_before == store.recount()
+    assert [k for k, _ in store.events()] == [k for k, _ in events_before]
+    assert list(store.database.keys(prefix=keys.RECEIVING)) == []
+    with pytest.raises(LeaseError):
+        await store.complete(old_lease, T0, OK)
+    for lease in leases:
+        await store.complete(lease, T0, OK)
+    new_id = await commit_whole(store, 40)
+    assert new_id > max(durable)
+    await assert_consistent(store)
+    counters = store.counters()
+    await store.close()
+
+    fresh = stores.open()
+    assert fresh.counters() == counters == fresh.recount()
+    assert fresh.message_count() == 1
+    assert [lease.recipient.msg_id for lease in fresh.lease(Z, 10, "w")] == [new_id]
+
+
+@async_test
+async def test_transient_failure_heals_at_the_next_operation(stores: StoreFactory) -> None:
+    store = stores.open(faulty=True)
+    db = stores.faulty(store)
+    kept = await commit_whole(store, 1)
+    opens = db.opens
+    db.fail_writes = 1
+    with pytest.raises(StorageUnavailable):
+        await commit_whole(store, 2)
+    assert store.failure is not None
+    again = await commit_whole(store, 3)  # the first check after a failure reopens at once
+    assert store.failure is None
+    assert db.opens == opens + 1
+    assert store.message_count() == 2
+    assert {lease.recipient.msg_id for lease in store.lease(Z, 10, "w")} == {kept, again}
+    await assert_consistent(store)
+
+
+@async_test
+async def test_failed_bounce_loses_neither_the_recipient_nor_queues_the_notice(
+    stores: StoreFactory,
+) -> None:
+    from zoneq.storage.records import Notice
+
+    store = stores.open(faulty=True)
+    db = stores.faulty(store)
+    msg_id = await commit_whole(store, 1)
+    lease = store.lease(Z, 1, "w")[0]
+    notice = Notice(
+        meta=make_meta(0, sender="", is_bounce=True),
+        recipients=rcpts(("sender@example.org", "bounces")),
+        body=b"dsn",
+    )
+    db.fail_writes = 1
+    with pytest.raises(StorageUnavailable):
+        await store.bounce(lease, T0, Outcome(reply="550 no"), notice=notice)
+    (again,) = store.lease(Z, 10, "w")  # healed; the recipient is ready again
+    assert again.recipient.msg_id == msg_id
+    assert store.count("bounces", State.READY) == 0
+    assert store.message_count() == 1
+    await assert_consistent(store)
+
+
+@async_test
+async def test_group_writer_failure_is_sticky_until_reset(tmp_path: Path) -> None:
+    db = FaultyDatabase(tmp_path / "w")
+    failures: list[StorageUnavailable] = []
+    ran: list[str] = []
+    writer = GroupWriter(db, on_failure=failures.append)
+    try:
+        db.fail_writes = 1
+        futures = [
+            writer.submit([(b"k%d" % i, b"v")], sync=True, effect=lambda: ran.append("no"))
+            for i in range(3)
+        ]
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        assert all(isinstance(r, StorageUnavailable) for r in results)
+        assert len(failures) == 1
+        assert ran == []  # effects of a failed group never run
+        assert writer.read(b"k0") is None  # the overlay was dropped
+        with pytest.raises(StorageUnavailable):
+            writer.submit([(b"k9", b"v")], sync=False)
+        db.reopen()
+        writer.reset()
+        await writer.submit([(b"k9", b"v")], sync=False)
+        assert db.get(b"k9") == b"v"
+        assert db.get(b"k0") is None
+    finally:
+        writer.close()
+        db.close()
