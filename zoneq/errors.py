@@ -26,6 +26,16 @@ class StorageUnavailable(TemporaryFailure):
     """
 
 
+class DiskFull(StorageUnavailable):
+    """A write failed for want of space (ENOSPC)."""
+
+
+class InsufficientStorage(TemporaryFailure):
+    """Free space is below the floor kept for the queue: new mail is refused (452 4.3.1,
+    RFC 3463 section 3.4) while deliveries, which free space, go on (Postfix's queue_minfree).
+    """
+
+
 class StorageCorruption(ZoneqError):
     """A record could not be decoded.  The record is quarantined; the rest of the queue goes on."""
 

@@ -17,7 +17,7 @@ from typing import Final
 
 import msgpack
 
-from zoneq.errors import NotFound, StorageCorruption, StorageUnavailable
+from zoneq.errors import DiskFull, NotFound, StorageCorruption, StorageUnavailable
 from zoneq.protocol.events import Event, EventKind
 from zoneq.protocol.ids import IdGenerator, format_id, id_time_ms
 from zoneq.storage import keys
@@ -31,6 +31,7 @@ from zoneq.storage.records import (
     encode_head,
     recipient_domain,
 )
+from zoneq.storage.space import SpaceGuard
 from zoneq.storage.writer import GroupWriter
 
 FAMILY_STATE: Final = {
@@ -84,9 +85,15 @@ class StoreBase:
     REOPEN_INTERVAL_S: Final = 1.0
 
     def __init__(
-        self, db: Database, *, sync_commits: bool = True, chunk_size: int = 65_536
+        self,
+        db: Database,
+        *,
+        sync_commits: bool = True,
+        chunk_size: int = 65_536,
+        space: SpaceGuard | None = None,
     ) -> None:
         self._db = db
+        self.space = space if space is not None else SpaceGuard(db.path)
         self.sync_commits = sync_commits
         self.chunk_size = chunk_size
         self._next_reopen = 0.0
@@ -132,6 +139,8 @@ class StoreBase:
     def _on_failure(self, exc: StorageUnavailable) -> None:
         # LevelDB's error is sticky: leave the handle failed until reopen() succeeds.
         self._leases.clear()
+        if isinstance(exc, DiskFull):
+            self.space.release()  # room for the reopen and the deletes that drain the queue
 
     def reopen(self) -> None:
         """Clear a sticky write error: reopen the database and reload state from disk.
@@ -142,7 +151,11 @@ class StoreBase:
         told so and abandons its message; the others carry on.
         """
         receiving = dict(self._receiving)
-        self._db.reopen()
+        try:
+            self._db.reopen()
+        except DiskFull:
+            self.space.release()
+            raise
         self.recover(receiving=receiving)
         self._writer.reset()
 

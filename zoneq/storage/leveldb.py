@@ -24,7 +24,7 @@ from typing import Any
 
 import plyvel
 
-from zoneq.errors import StorageUnavailable, StoreLocked
+from zoneq.errors import DiskFull, StorageUnavailable, StoreLocked
 
 Op = tuple[bytes, bytes | None]
 
@@ -57,6 +57,8 @@ class Database:
                     f"the queue directory {self.path} is in use by another zoneq process "
                     f"(LevelDB allows one process per database): {text}"
                 ) from exc
+            if "No space left" in text:
+                raise DiskFull(f"cannot open {self.path}, disk full: {text}") from exc
             raise StorageUnavailable(f"cannot open {self.path}: {text}") from exc
         except plyvel.Error as exc:
             raise StorageUnavailable(f"cannot open {self.path}: {_text(exc)}") from exc
@@ -101,7 +103,10 @@ class Database:
                     else:
                         put(key, value)
         except plyvel.Error as exc:
-            raise StorageUnavailable(f"write failed: {_text(exc)}") from exc
+            text = _text(exc)
+            if "No space left" in text:
+                raise DiskFull(f"write failed, disk full: {text}") from exc
+            raise StorageUnavailable(f"write failed: {text}") from exc
         except RuntimeError as exc:  # plyvel: "Database is closed"
             raise StorageUnavailable(f"write failed: {exc}") from exc
 

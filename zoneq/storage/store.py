@@ -56,6 +56,7 @@ from zoneq.storage.records import (
     encode_head,
     recipient_domain,
 )
+from zoneq.storage.space import SpaceGuard
 from zoneq.storage.writer import GroupWriter
 
 
@@ -63,12 +64,29 @@ class QueueStore(AdminMixin, MaintenanceMixin):
     """The LevelDB queue of one zoneq node.  Create with :meth:`open`, then :meth:`recover`."""
 
     @classmethod
-    def open(cls, path: Path, *, sync_commits: bool = True, chunk_size: int = 65_536) -> QueueStore:
-        return cls(Database(path), sync_commits=sync_commits, chunk_size=chunk_size)
+    def open(
+        cls,
+        path: Path,
+        *,
+        sync_commits: bool = True,
+        chunk_size: int = 65_536,
+        min_free: int = 0,
+        reserve: int = 0,
+    ) -> QueueStore:
+        """Open (creating) the queue at ``path``; ``min_free`` and ``reserve`` in bytes are the
+        free-space floor for new mail and the recovery reserve (``space.py``), 0 for none."""
+        db = Database(path)
+        space = SpaceGuard(db.path, min_free=min_free, reserve=reserve)
+        return cls(db, sync_commits=sync_commits, chunk_size=chunk_size, space=space)
 
-    def begin(self, now_ms: int) -> int:
-        """A new message id for a DATA (or API submission) about to stream in."""
+    def begin(self, now_ms: int, size_hint: int = 0) -> int:
+        """A new message id for a DATA (or API submission) about to stream in.
+
+        Raises ``InsufficientStorage`` (answer 452 4.3.1) when free space is below the floor;
+        ``size_hint`` is the client's SIZE= declaration (RFC 1870) when it gave one.
+        """
         self._check()
+        self.space.admit(size_hint)
         msg_id = self._ids.next(now_ms)
         self._receiving[msg_id] = 0
         return msg_id
@@ -100,6 +118,7 @@ class QueueStore(AdminMixin, MaintenanceMixin):
         written it yet: a message that fits in one chunk then costs one batch, not two.
         """
         self._check()
+        self.space.admit()
         ops, ready = self._message_ops(meta, recipients, now_ms)
         if tail is not None:
             ops.append((keys.message_chunk(meta.msg_id, meta.chunks - 1), tail))
