@@ -151,10 +151,12 @@ class StoreFactory:
         *,
         faulty: bool = False,
         recover: bool = True,
+        db_options: dict[str, Any] | None = None,
         **options: Any,
     ) -> QueueStore:
+        db_options = db_options or {}
         where = self.path if path is None else path
-        db = FaultyDatabase(where) if faulty else Database(where)
+        db = FaultyDatabase(where, **db_options) if faulty else Database(where, **db_options)
         store = QueueStore(db, **options)
         self._opened.append(store)
         if recover:

@@ -6,7 +6,9 @@ Needs root (``mount -t tmpfs``); skipped otherwise.  The contract:
 * no commit that returned normally is lost;
 * while the disk is full every further commit raises ``StorageUnavailable``;
 * once space is back, the first operation after ``QueueStore.REOPEN_INTERVAL_S`` succeeds
-  without anyone calling ``reopen`` (the store heals itself in ``_check``).
+  without anyone calling ``reopen`` (the store heals itself in ``_check``);
+* with a reserve, it heals even when nothing else is freed (incompressible bodies);
+* with a free-space floor, new mail is refused before LevelDB ever sees a full disk.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from tests.storage.conftest import T0, StoreFactory, async_test, make_meta, rcpts
-from zoneq.errors import StorageUnavailable
-from zoneq.storage.store import QueueStore
+from zoneq.errors import DiskFull, InsufficientStorage, StorageUnavailable
+from zoneq.storage.space import SpaceGuard
+from zoneq.storage.store import Outcome, QueueStore
 
 pytestmark = pytest.mark.integration
 
@@ -32,15 +35,13 @@ CHUNK = 64 * 1024
 CHUNKS_PER_MESSAGE = 3
 
 
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A small tmpfs with a 1 MiB filler file on it (deleted later to free space)."""
+def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
+    """Mount a tmpfs of ``size`` at ``mount_point`` for the test, unmount after."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    mount_point = tmp_path / "tmpfs"
     mount_point.mkdir()
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(mount_point)],
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
         capture_output=True,
         text=True,
         check=False,
@@ -48,12 +49,19 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
     try:
-        (mount_point / "filler").write_bytes(b"\0" * FILLER_SIZE)
         yield mount_point
     finally:
         done = subprocess.run(["umount", str(mount_point)], capture_output=True, check=False)
         if done.returncode != 0:
             subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, check=False)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A small tmpfs with a 1 MiB filler file on it (deleted later to free space)."""
+    for mount_point in mounted_tmpfs(tmp_path / "tmpfs", TMPFS_SIZE):
+        (mount_point / "filler").write_bytes(b"\0" * FILLER_SIZE)
+        yield mount_point
 
 
 @pytest.fixture
@@ -79,11 +87,11 @@ def random_chunk(n: int, index: int) -> bytes:
 
 
 async def fill_until_full(
-    store: QueueStore, make_chunk: Callable[[int, int], bytes]
+    store: QueueStore, make_chunk: Callable[[int, int], bytes], limit: int = 1000
 ) -> tuple[dict[int, list[bytes]], StorageUnavailable]:
     """Commit messages until one fails; every other exception propagates (and fails)."""
     committed: dict[int, list[bytes]] = {}
-    for n in range(1000):
+    for n in range(limit):
         now = T0 + n
         msg_id = store.begin(now)
         chunks = [make_chunk(n, i) for i in range(CHUNKS_PER_MESSAGE)]
@@ -95,7 +103,7 @@ async def fill_until_full(
         except StorageUnavailable as exc:
             return committed, exc
         committed[msg_id] = chunks
-    raise AssertionError("a 4 MiB disk never filled up")
+    raise AssertionError("the disk never filled up")
 
 
 def assert_all_there(store: QueueStore, committed: dict[int, list[bytes]]) -> None:
@@ -150,21 +158,63 @@ async def test_full_disk_refuses_keeps_what_it_accepted_and_heals(
     assert fresh.counters() == fresh.recount()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LevelDB's reopen replays the whole log into a new level-0 table before it "
-    "accepts writes; with incompressible bodies that needs about as much free space as "
-    "the log holds (up to write_buffer_mb=16 MiB), so freeing 1 MiB after ENOSPC is not "
-    "enough and the store keeps answering StorageUnavailable",
-)
+@pytest.fixture
+def roomy_stores(tmp_path: Path) -> Iterator[StoreFactory]:
+    """Stores on a 32 MiB tmpfs: room for a LevelDB log of a few MiB plus an 8 MiB reserve."""
+    for mount_point in mounted_tmpfs(tmp_path / "roomy", "32m"):
+        factory = StoreFactory(mount_point)
+        try:
+            yield factory
+        finally:
+            factory.close_all()
+
+
 @async_test
-async def test_full_disk_with_incompressible_bodies_heals_after_freeing_space(
-    disk_stores: StoreFactory, tmpfs: Path
+async def test_full_disk_with_incompressible_bodies_heals_with_the_reserve(
+    roomy_stores: StoreFactory,
 ) -> None:
-    store = disk_stores.open()
-    committed, _ = await fill_until_full(store, random_chunk)
+    """LevelDB's reopen replays the log into a table first, which needs about a log's worth
+    of space: with incompressible bodies, freeing a little is not enough.  The reserve is
+    released when a write fails for space, so the store heals with nothing else freed."""
+    store = roomy_stores.open(db_options={"write_buffer_mb": 4})
+    store.space = SpaceGuard(store.database.path, reserve=8 << 20)
+    assert store.space.restore()
+    assert store.space.reserve_path.stat().st_size == 8 << 20
+    committed, failure = await fill_until_full(store, random_chunk, limit=2000)
+    assert isinstance(failure, DiskFull)
     assert committed
-    (tmpfs / "filler").unlink()
+    assert not store.space.reserve_path.exists()  # given back to get out of the hole
     await asyncio.sleep(QueueStore.REOPEN_INTERVAL_S + 0.1)
-    await commit_small(store, 1)
+    await commit_small(store, 1)  # nothing else was freed
+    assert store.failure is None
     assert_all_there(store, committed)
+    # Deliveries (deletes) work again, so the queue can drain.
+    for lease in store.lease(Z, 5, "w"):
+        await store.complete(lease, T0, Outcome("250 ok"))
+    assert store.counters() == store.recount()
+
+
+@async_test
+async def test_free_space_floor_refuses_new_mail_before_the_disk_fills(
+    disk_stores: StoreFactory,
+) -> None:
+    """Postfix's queue_minfree: below the floor, new mail gets a temporary refusal
+    (InsufficientStorage, 452 4.3.1) and the database never hits ENOSPC; delivery goes on."""
+    store = disk_stores.open()
+    store.space = SpaceGuard(store.database.path, min_free=1 << 20, interval=0.0)
+    committed: dict[int, list[bytes]] = {}
+    with pytest.raises(InsufficientStorage):
+        for n in range(1000):
+            msg_id = store.begin(T0 + n, size_hint=3 * CHUNK)
+            chunks = [mail_chunk(n, i) for i in range(CHUNKS_PER_MESSAGE)]
+            meta = make_meta(msg_id, size=3 * CHUNK, chunks=len(chunks))
+            for index, chunk in enumerate(chunks[:-1]):
+                await store.write_chunk(msg_id, index, chunk)
+            await store.commit(meta, rcpts((f"user{n}@example.org", Z)), T0, tail=chunks[-1])
+            committed[msg_id] = chunks
+    assert committed
+    assert store.failure is None  # refused in time: LevelDB never saw a full disk
+    assert_all_there(store, committed)
+    for lease in store.lease(Z, 3, "w"):
+        await store.complete(lease, T0, Outcome("250 ok"))
+    assert store.counters() == store.recount()
