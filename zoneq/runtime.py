@@ -36,8 +36,11 @@ def open_store(config: Config) -> QueueStore:
         Path(config.server.data_dir),
         sync_commits=config.storage.sync_commits,
         chunk_size=config.storage.chunk_size,
+        min_free=int(config.storage.min_free),
+        reserve=int(config.storage.reserve),
     )
     swept = store.recover()
+    store.space.restore()
     if swept:
         log.info("swept %d uncommitted message(s) left by the previous run", swept)
     return store
@@ -60,6 +63,8 @@ async def maintain(store: QueueStore, config: Config) -> None:
         swept = await store.sweep(now_ms(), config.storage.receive_timeout_ms)
         trimmed = await store.trim_events(now_ms() - config.storage.event_retention_ms)
         store.compact()
+        if store.space.restore():
+            log.info("recovery reserve of %d bytes in place", store.space.reserve)
     except StorageUnavailable as exc:
         log.warning("maintenance skipped, queue storage unavailable: %s", exc)
         return

@@ -390,3 +390,19 @@ def test_dotted_key_is_a_toml_key_for_the_same_path(parts: list[str]) -> None:
 def test_dotted_key_drops_pydantic_dict_key_marker() -> None:
     assert dotted_key(("zones", "bad name", "[key]")) == 'zones."bad name"'
     assert dotted_key(("zones", "bulk", "connections")) == "zones.bulk.connections"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [('min_free = "1GiB"', 1 << 30), ('min_free = "512MB"', 512_000_000), ("min_free = 0", 0)],
+)
+def test_storage_sizes_parse_with_units(text: str, expected: int) -> None:
+    config = loads_config(f"[storage]\n{text}\n[zones.default]\n[zones.bounces]\n")
+    assert int(config.storage.min_free) == expected
+
+
+@pytest.mark.parametrize("value", ['"lots"', '"-5MB"', "true"])
+def test_bad_storage_size_names_the_key(value: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        loads_config(f"[storage]\nreserve = {value}\n[zones.default]\n[zones.bounces]\n")
+    assert caught.value.key == "storage.reserve"

@@ -29,6 +29,7 @@ from typing import Annotated, Final, Self
 from pydantic import (
     AfterValidator,
     BaseModel,
+    ByteSize,
     ConfigDict,
     Field,
     field_validator,
@@ -170,6 +171,14 @@ class StorageConfig(_Section):
 
     receive_timeout: Duration = "10m"
     """Chunks of a message not committed within this time are swept."""
+
+    min_free: ByteSize = ByteSize(256 << 20)
+    """New mail is refused (452 4.3.1) while the queue's file system has less free space than
+    this, so intake never fills the disk and deliveries go on (Postfix's queue_minfree)."""
+
+    reserve: ByteSize = ByteSize(64 << 20)
+    """A file of this size kept in the queue directory and released if the disk fills anyway,
+    so LevelDB can reopen and the queue can drain; more than the 16 MiB write buffer."""
 
     @property
     def event_retention_ms(self) -> int:
