@@ -120,14 +120,9 @@ class Database:
         snapshot: Any = None,
     ) -> Iterator[tuple[bytes, bytes]]:
         """Key/value pairs in order; ``start`` inclusive, ``stop`` exclusive."""
-        source = snapshot if snapshot is not None else self._handle()
-        kwargs: dict[str, Any] = {"reverse": reverse}
-        if prefix is not None:
-            kwargs["prefix"] = prefix
-        else:
-            kwargs["start"] = start
-            kwargs["stop"] = stop
-        it: Iterator[tuple[bytes, bytes]] = source.iterator(**kwargs)
+        it: Iterator[tuple[bytes, bytes]] = self._iterator(
+            prefix, start, stop, reverse=reverse, snapshot=snapshot, include_value=True
+        )
         return it
 
     def keys(
@@ -138,14 +133,25 @@ class Database:
         stop: bytes | None = None,
         reverse: bool = False,
     ) -> Iterator[bytes]:
-        kwargs: dict[str, Any] = {"reverse": reverse, "include_value": False}
-        if prefix is not None:
-            kwargs["prefix"] = prefix
-        else:
-            kwargs["start"] = start
-            kwargs["stop"] = stop
-        it: Iterator[bytes] = self._handle().iterator(**kwargs)
+        it: Iterator[bytes] = self._iterator(
+            prefix, start, stop, reverse=reverse, snapshot=None, include_value=False
+        )
         return it
+
+    def _iterator(
+        self,
+        prefix: bytes | None,
+        start: bytes | None,
+        stop: bytes | None,
+        *,
+        reverse: bool,
+        snapshot: Any,
+        include_value: bool,
+    ) -> Any:
+        source = snapshot if snapshot is not None else self._handle()
+        if prefix is not None:
+            return source.iterator(prefix=prefix, reverse=reverse, include_value=include_value)
+        return source.iterator(start=start, stop=stop, reverse=reverse, include_value=include_value)
 
     def first_key(self, start: bytes, stop: bytes | None) -> bytes | None:
         """The first key in ``[start, stop)``: one seek."""

@@ -54,7 +54,6 @@ from zoneq.storage.records import (
     Recipient,
     State,
     encode_head,
-    recipient_domain,
 )
 from zoneq.storage.space import SpaceGuard
 from zoneq.storage.writer import GroupWriter
@@ -153,42 +152,65 @@ class QueueStore(AdminMixin, MaintenanceMixin):
         id_bytes = keys.u64(msg_id)
         ops: list[Op] = []
         append = ops.append
-        values: dict[tuple[str, tuple[str, ...], str | None], bytes] = {}
-        zone_prefixes: dict[str, bytes] = {}
-        per_zone: dict[str, int] = {}
-        per_domain: dict[tuple[str, str], int] = {}
-        oldest: dict[str, bytes] = {}
         text = keys.text
+        # Per zone: the key prefix of this message, and recipients per domain.
+        zones: dict[str, tuple[bytes, dict[str, int]]] = {}
+        plain: dict[str, bytes] = {}  # record value by domain, for recipients without DSN args
+        shaped: dict[tuple[str, tuple[str, ...], str | None], bytes] = {}
         seen: set[bytes] = set()
+        last_zone: str | None = None
+        prefix = b""
+        domains: dict[str, int] = {}
         for rcpt in recipients:
             zone = rcpt.zone
-            prefix = zone_prefixes.get(zone)
-            if prefix is None:
-                prefix = zone_prefixes[zone] = ready_prefix(zone) + id_bytes
-            key = prefix + text(rcpt.address)
+            if zone != last_zone:  # almost every message has a single zone
+                entry = zones.get(zone)
+                if entry is None:
+                    entry = zones[zone] = (ready_prefix(zone) + id_bytes, {})
+                prefix, domains = entry
+                last_zone = zone
+            address = rcpt.address
+            key = prefix + text(address)
             if key in seen:
                 continue  # a recipient given twice is delivered once (as Postfix does)
             seen.add(key)
-            domain = recipient_domain(rcpt.address)
-            shape = (domain, rcpt.notify, rcpt.orcpt)
-            value = values.get(shape)
-            if value is None:
-                value = values[shape] = Recipient(
-                    zone, msg_id, rcpt.address, domain, notify=rcpt.notify, orcpt=rcpt.orcpt
-                ).encode()
+            _, at, domain = address.rpartition("@")  # records.recipient_domain, inlined
+            domain = domain.lower() if at else ""
+            if not rcpt.notify and rcpt.orcpt is None:
+                value = plain.get(domain)
+                if value is None:
+                    value = plain[domain] = Recipient(zone, msg_id, address, domain).encode()
+            else:
+                shape = (domain, rcpt.notify, rcpt.orcpt)
+                value = shaped.get(shape)
+                if value is None:
+                    value = shaped[shape] = Recipient(
+                        zone, msg_id, address, domain, notify=rcpt.notify, orcpt=rcpt.orcpt
+                    ).encode()
             append((key, value))
-            per_zone[zone] = per_zone.get(zone, 0) + 1
-            per_domain[zone, domain] = per_domain.get((zone, domain), 0) + 1
-            first = oldest.get(zone)
-            if first is None or key < first:
-                oldest[zone] = key
+            domains[domain] = domains.get(domain, 0) + 1
+        ops.extend(self._accepted_ops(meta, now_ms, zones))
+        self._counters.add(MESSAGES, 1)
+        ops.append((keys.message_head(msg_id), encode_head(now_ms, len(seen))))
+        ops.append((keys.message_meta(msg_id), meta.encode(tuple(zones), len(seen))))
+        # The low-water target of each zone: the message's own prefix, which sorts before
+        # every key this commit adds to that zone and after every older message's.
+        return ops, {zone: entry[0] for zone, entry in zones.items()}
+
+    def _accepted_ops(
+        self, meta: MessageMeta, now_ms: int, zones: dict[str, tuple[bytes, dict[str, int]]]
+    ) -> list[Op]:
+        """Counter changes and one ACCEPTED event per zone for a commit."""
         add = self._counters.add
-        for (zone, domain), n in per_domain.items():
-            add(domain_key(zone, domain, READY_STATE), n)
-        queued_at = id_time_ms(msg_id)
-        mid = format_id(msg_id)
-        for zone, n in per_zone.items():
-            add(zone_key(zone, READY_STATE), n)
+        queued_at = id_time_ms(meta.msg_id)
+        mid = format_id(meta.msg_id)
+        ops: list[Op] = []
+        for zone, (_, per_domain) in zones.items():
+            total = 0
+            for domain, n in per_domain.items():
+                add(domain_key(zone, domain, READY_STATE), n)
+                total += n
+            add(zone_key(zone, READY_STATE), total)
             event = Event(
                 EventKind.ACCEPTED,
                 now_ms,
@@ -198,13 +220,10 @@ class QueueStore(AdminMixin, MaintenanceMixin):
                 "",
                 queued_at,
                 size=meta.size,
-                recipients=n,
+                recipients=total,
             )
-            append(self._event_op(event))
-        add(MESSAGES, 1)
-        append((keys.message_head(msg_id), encode_head(now_ms, len(seen))))
-        append((keys.message_meta(msg_id), meta.encode(tuple(per_zone), len(seen))))
-        return ops, oldest
+            ops.append(self._event_op(event))
+        return ops
 
     def lease(
         self,
