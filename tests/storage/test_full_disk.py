@@ -176,7 +176,9 @@ async def test_full_disk_with_incompressible_bodies_heals_with_the_reserve(
     """LevelDB's reopen replays the log into a table first, which needs about a log's worth
     of space: with incompressible bodies, freeing a little is not enough.  The reserve is
     released when a write fails for space, so the store heals with nothing else freed."""
-    store = roomy_stores.open(db_options={"write_buffer_mb": 4})
+    # The reserve must cover the logs a reopen replays: up to two memtables (the one being
+    # flushed and the current one), so 4x the write buffer, as the defaults (16 MiB, 64 MiB).
+    store = roomy_stores.open(db_options={"write_buffer_mb": 2})
     store.space = SpaceGuard(store.database.path, reserve=8 << 20)
     assert store.space.restore()
     assert store.space.reserve_path.stat().st_size == 8 << 20

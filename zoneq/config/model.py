@@ -178,7 +178,7 @@ class StorageConfig(_Section):
 
     reserve: ByteSize = ByteSize(64 << 20)
     """A file of this size kept in the queue directory and released if the disk fills anyway,
-    so LevelDB can reopen and the queue can drain; more than the 16 MiB write buffer."""
+    so LevelDB can reopen and the queue can drain; at least 4x the 16 MiB write buffer."""
 
     @property
     def event_retention_ms(self) -> int:

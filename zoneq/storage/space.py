@@ -11,7 +11,9 @@ either, so it would never drain on its own.
   deliveries, which free space, carry on.
 * The reserve: a file of ``reserve`` bytes kept in the queue directory.  When a write fails
   for want of space anyway (something else filled the disk), the reserve is deleted so the
-  reopen and the deletes that follow can run; it is put back once there is room again.
+  reopen and the deletes that follow can run; it is put back once there is room again.  It
+  must cover the logs a reopen replays, up to two memtables (the one being flushed and the
+  current one): 4x LevelDB's write buffer is safe (with 2x, healing failed now and then).
 
 Free space is read with ``statvfs`` at most once per ``interval`` seconds (the check sits on
 the intake path).
