@@ -1,0 +1,33 @@
+"""The benchmarks still run (tiny sizes; figures are not checked, only that they print)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "expect"),
+    [
+        (
+            "store_bench.py",
+            ["--messages", "256", "--producers", "8", "--deliveries", "3000", "--rounds", "1"],
+            "oldest ready recipient",
+        ),
+        ("encoder_bench.py", ["--megabytes", "1"], "MB/s"),
+    ],
+)
+def test_benchmark_runs(script: str, args: list[str], expect: str, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench" / script), *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert expect in result.stdout
