@@ -1,0 +1,113 @@
+"""The dead-host cache: addresses that recently refused or dropped connections.
+
+A zone worker consults it before connecting to an MX address, so that a server that is down
+is not hammered by every queued message in turn; the delivery loop skips a dead address and
+tries the next host of the ``MxResult``.
+
+Theory of operation
+-------------------
+``mark_dead(ip)`` makes an address dead for a backoff period: ``base`` seconds the first
+time, doubling with each further failure, never more than ``cap``.  The period runs out on
+its own; nothing has to revive the address.  (ZoneMTA's equivalent cache only forgot a dead
+host on restart, its issue #182.)  After the period ends the next delivery attempt is let
+through as a probe; ``mark_alive(ip)`` after a successful connection forgets the address.
+
+Failures reported while the address is already dead do not lengthen the period: they are
+connections that started before the first failure was recorded (many run concurrently), not
+new evidence, and counting them would send the backoff to its cap after one outage.
+
+The failure count is kept past the end of the dead period, so a probe that fails again backs
+off further, and is dropped ``cap`` seconds after the period ends: a host that then fails
+again starts from ``base``.  Time comes only from the injected ``clock`` (monotonic
+seconds).  The cache is bounded: beyond ``max_entries`` the address marked longest ago is
+forgotten, which errs on the side of trying it again.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["DeadHostCache"]
+
+
+@dataclass(slots=True)
+class _Dead:
+    failures: int
+    until: float
+
+
+class DeadHostCache:
+    """Remembers failing addresses for a capped, exponentially growing, self-expiring time."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float],
+        base: float = 60.0,
+        cap: float = 3600.0,
+        max_entries: int = 10_000,
+    ) -> None:
+        if base <= 0 or cap < base:
+            raise ValueError(f"need 0 < base <= cap, not base={base} cap={cap}")
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be at least 1, not {max_entries}")
+        self._clock = clock
+        self._base = base
+        self._cap = cap
+        self._max_entries = max_entries
+        self._entries: OrderedDict[str, _Dead] = OrderedDict()
+
+    def is_dead(self, ip: str) -> bool:
+        """True while ``ip`` is inside a dead period."""
+        return self.dead_for(ip) > 0
+
+    def dead_for(self, ip: str) -> float:
+        """Seconds until ``ip`` may be tried again; 0 if it may be tried now."""
+        key = _key(ip)
+        entry = self._entries.get(key)
+        if entry is None:
+            return 0.0
+        now = self._clock()
+        if now >= entry.until + self._cap:
+            # Long past its dead period: forget the failure count too.
+            del self._entries[key]
+            return 0.0
+        return max(0.0, entry.until - now)
+
+    def mark_dead(self, ip: str) -> float:
+        """Record a failed connection to ``ip``; returns the seconds it is now dead for."""
+        key = _key(ip)
+        now = self._clock()
+        entry = self._entries.get(key)
+        if entry is not None and now < entry.until:
+            # Already dead: a connection that was under way when it died.  Not new evidence.
+            return entry.until - now
+        failures = 1
+        if entry is not None and now < entry.until + self._cap:
+            failures = entry.failures + 1
+        # The exponent is bounded so the float cannot overflow after many failures.
+        period = min(self._base * 2.0 ** min(failures - 1, 64), self._cap)
+        self._entries[key] = _Dead(failures, now + period)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self._max_entries:
+            self._entries.popitem(last=False)
+        return period
+
+    def mark_alive(self, ip: str) -> None:
+        """A connection to ``ip`` succeeded: forget its failures."""
+        self._entries.pop(_key(ip), None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _key(ip: str) -> str:
+    """The canonical text of an address, so "::0001" and "::1" are one host.
+
+    Raises ValueError for text that is not an IP address: the cache is keyed by address,
+    not by name, because one name can stand for several servers.
+    """
+    return ipaddress.ip_address(ip).compressed

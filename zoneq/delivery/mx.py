@@ -1,0 +1,520 @@
+"""MX resolution: from a recipient domain to an ordered list of hosts and their addresses.
+
+This is the only module that imports dnspython.  Everything dnspython can raise is turned
+into an ``MxResult`` here, a value the delivery loop branches on; nothing from ``dns`` leaks
+out, and no DNS failure is raised as an exception.
+
+Theory of operation
+-------------------
+``MxResolver.resolve(domain)`` does, in order:
+
+1. One MX query.  NXDOMAIN is ``NO_DOMAIN`` (bounce).  An empty answer (NODATA) means there
+   is no MX, so the domain itself is the only host, at preference 0: the implicit MX of
+   RFC 5321 section 5.1.  A single MX whose exchange is the root (``0 .``) is a null MX,
+   RFC 7505: the domain accepts no mail, bounce at once without connecting.  SERVFAIL,
+   REFUSED, a timeout or anything else that says nothing about the domain is ``TEMPORARY``:
+   defer, never bounce, because a resolver outage must not turn into a wave of bounces.
+
+2. A and (unless IPv6 is off for the zone) AAAA queries for every MX host, all at once.
+   A host whose name has no address is skipped (RFC 5321 section 5.1 asks only that some
+   host be usable); whether its lookup failed temporarily is remembered for step 4.
+
+3. Loop detection, RFC 5321 section 5.1: "The relay host MUST then inspect the list for any
+   of the names or addresses by which it might be known in mail transactions.  If a matching
+   record is found, all records at that preference level and higher-numbered ones MUST be
+   discarded".  Our names and addresses are given to the resolver; loopback and unspecified
+   addresses count as ours too (connecting to them reaches this machine, or nothing) unless
+   ``allow_loopback`` is set, as the tests do.  Link-local and multicast addresses are not
+   SMTP destinations and are dropped as unusable.
+
+4. What is left is ordered by preference, equal preferences in random order (RFC 5321
+   section 5.1: the client "SHOULD randomize them to spread the load"), with the injected
+   ``random.Random`` so tests are deterministic.  If nothing is left: ``LOOP`` if hosts were
+   discarded as ourselves, else ``TEMPORARY`` if any address lookup failed temporarily,
+   else ``UNROUTABLE`` (RFC 5321 section 5.1: "If MX records are present, but none of them
+   are usable, or the implicit MX is unusable, this situation MUST be reported as an error").
+
+The result lists every usable host, so the caller can walk it and try a second host when the
+first one fails.  MX records carry no port: the port to connect to is a setting of the
+caller (25 unless a zone says otherwise).  Address literals (``[192.0.2.1]``) are the
+caller's business too; this module resolves domain names only.
+
+Caching
+-------
+Each DNS answer (per name and record type) is cached for its TTL in an ``AnswerCache``:
+positive answers for the TTL of their RRset, negative ones (NXDOMAIN and NODATA) for
+min(SOA TTL, SOA MINIMUM) as RFC 2308 section 5 says, or ``DEFAULT_NEGATIVE_TTL`` when the
+response carries no SOA.  Temporary failures are not cached: the next delivery attempt asks
+again.  The cache reads time only through the injected clock (monotonic seconds), holds a
+bounded number of answers and evicts the least recently used.  dnspython's own cache is not
+used, because it reads the wall clock itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import ipaddress
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import dns.asyncresolver
+import dns.exception
+import dns.message
+import dns.name
+import dns.rdatatype
+import dns.resolver
+
+from zoneq.protocol.replies import EnhancedStatus
+
+__all__ = [
+    "DEFAULT_MAX_NEGATIVE_TTL",
+    "DEFAULT_MAX_TTL",
+    "DEFAULT_NEGATIVE_TTL",
+    "AnswerCache",
+    "DnsAnswer",
+    "DnsOutcome",
+    "MxHost",
+    "MxKind",
+    "MxResolver",
+    "MxResult",
+    "negative_ttl",
+]
+
+DEFAULT_NEGATIVE_TTL: Final = 60.0
+"""Seconds to cache NXDOMAIN/NODATA when the response has no SOA to take the TTL from."""
+
+DEFAULT_MAX_TTL: Final = 86_400.0
+"""Upper bound on how long any positive answer is cached, whatever its TTL says."""
+
+DEFAULT_MAX_NEGATIVE_TTL: Final = 10_800.0
+"""Upper bound for negative answers: RFC 2308 section 5 suggests one to three hours."""
+
+# RFC 3463 / RFC 7505 enhanced status codes for each permanent or temporary outcome.
+_NULL_MX_STATUS: Final = EnhancedStatus(5, 1, 10)  # RFC 7505 section 4.1: 556 5.1.10
+_NO_DOMAIN_STATUS: Final = EnhancedStatus(5, 1, 2)  # RFC 3463: bad destination system address
+_UNROUTABLE_STATUS: Final = EnhancedStatus(5, 4, 4)  # RFC 3463: unable to route
+_TEMPORARY_STATUS: Final = EnhancedStatus(4, 4, 3)  # RFC 3463: directory server failure
+_LOOP_STATUS: Final = EnhancedStatus(5, 4, 6)  # RFC 3463: routing loop detected
+
+
+class MxKind(enum.Enum):
+    """What an MX lookup came to; the delivery loop branches on this."""
+
+    HOSTS = "hosts"
+    """``MxResult.hosts`` holds at least one host with at least one address: connect."""
+    NULL_MX = "null-mx"
+    """RFC 7505 null MX: the domain accepts no mail.  Bounce at once, do not connect."""
+    NO_DOMAIN = "no-domain"
+    """NXDOMAIN (or a name that is not a valid domain name): bounce at once."""
+    UNROUTABLE = "unroutable"
+    """The domain exists but no MX host (or implicit MX) has an address: bounce."""
+    TEMPORARY = "temporary"
+    """The resolver failed (SERVFAIL, timeout, no reply): defer, do not bounce."""
+    LOOP = "loop"
+    """Every remaining MX host is this machine: bounce, mail would loop back to us."""
+
+
+@dataclass(frozen=True, slots=True)
+class MxHost:
+    """One candidate host: its name, MX preference and usable addresses (IPv4 first)."""
+
+    name: str
+    """Host name, lower case, without the trailing dot."""
+    preference: int
+    """MX preference; 0 for the implicit MX."""
+    addresses: tuple[str, ...]
+    """Addresses to try in order: IPv4 then IPv6, each in the order DNS gave them."""
+
+
+@dataclass(frozen=True, slots=True)
+class MxResult:
+    """The outcome of resolving one domain."""
+
+    kind: MxKind
+    domain: str
+    reason: str
+    """Human-readable, for logs and the diagnostic text of a DSN."""
+    status: EnhancedStatus | None
+    """RFC 3463 status for a bounce or deferral; None for ``HOSTS``."""
+    hosts: tuple[MxHost, ...] = ()
+    """Candidates in the order to try them; empty unless ``kind`` is ``HOSTS``."""
+    implicit: bool = False
+    """True when the domain had no MX and its own address records are used."""
+
+    @property
+    def permanent(self) -> bool:
+        """True when the recipient should be bounced now rather than retried."""
+        return self.kind not in (MxKind.HOSTS, MxKind.TEMPORARY)
+
+
+class DnsOutcome(enum.Enum):
+    """A cacheable answer to one question: records, no such name, or no such records."""
+
+    ANSWER = "answer"
+    NXDOMAIN = "nxdomain"
+    NODATA = "nodata"
+
+
+@dataclass(frozen=True, slots=True)
+class DnsAnswer:
+    """One cached answer.  ``mx`` holds (preference, exchange) pairs for MX questions,
+    ``addresses`` the address texts for A/AAAA questions; the other one stays empty."""
+
+    outcome: DnsOutcome
+    ttl: float
+    mx: tuple[tuple[int, str], ...] = ()
+    addresses: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class _Entry:
+    answer: DnsAnswer
+    expires: float
+
+
+@dataclass(slots=True)
+class AnswerCache:
+    """DNS answers keyed by (name, record type), kept for their TTL, LRU-bounded.
+
+    ``clock`` returns monotonic seconds; it is the only source of time here.
+    """
+
+    clock: Callable[[], float]
+    max_entries: int = 10_000
+    _entries: OrderedDict[tuple[str, str], _Entry] = field(default_factory=OrderedDict)
+
+    def __post_init__(self) -> None:
+        if self.max_entries < 1:
+            raise ValueError(f"max_entries must be at least 1, not {self.max_entries}")
+
+    def get(self, name: str, rdtype: str) -> DnsAnswer | None:
+        """The cached answer, or None if there is none or it has expired."""
+        key = (name.lower(), rdtype)
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if self.clock() >= entry.expires:
+            del self._entries[key]
+            return None
+        self._entries.move_to_end(key)
+        return entry.answer
+
+    def put(self, name: str, rdtype: str, answer: DnsAnswer) -> None:
+        """Remember ``answer`` for ``answer.ttl`` seconds; a TTL of 0 is not cached."""
+        key = (name.lower(), rdtype)
+        if answer.ttl <= 0:
+            self._entries.pop(key, None)
+            return
+        self._entries[key] = _Entry(answer, self.clock() + answer.ttl)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class _Temporary(Exception):
+    """Internal: a lookup said nothing about the name (timeout, SERVFAIL...)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class _HostLookup:
+    """Addresses found for one MX host, and whether some lookup for it failed temporarily."""
+
+    addresses: tuple[str, ...]
+    temporary: str | None
+
+
+def negative_ttl(response: dns.message.Message | None, default: float, cap: float) -> float:
+    """RFC 2308 section 5: a negative answer lives for min(SOA TTL, SOA MINIMUM).
+
+    The SOA is in the authority section of the negative response; without one, ``default``.
+    """
+    if response is not None:
+        for rrset in response.authority:
+            if rrset.rdtype == dns.rdatatype.SOA and len(rrset) > 0:
+                soa = rrset[0]
+                return float(min(rrset.ttl, soa.minimum, cap))
+    return min(default, cap)
+
+
+def _host_text(name: dns.name.Name) -> str:
+    """Lower case, no trailing dot; the root (a null MX exchange) becomes ``""``."""
+    if name == dns.name.root:
+        return ""
+    return name.to_text(omit_final_dot=True).lower()
+
+
+def _is_unusable(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Addresses that are never an SMTP server elsewhere: link-local, multicast."""
+    return ip.is_link_local or ip.is_multicast
+
+
+def _is_local(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Addresses that reach this machine (or nothing): loopback, unspecified."""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or ip.is_unspecified
+
+
+class MxResolver:
+    """Resolves recipient domains to ``MxResult`` values, with an answer cache.
+
+    ``nameservers`` and ``port`` say which resolver to ask (the machine's resolv.conf is not
+    read: a mail server should name its resolver explicitly).  ``timeout`` bounds one query
+    to one server, ``lifetime`` the whole of one lookup including retries.
+    ``own_addresses`` and ``own_names`` are the addresses and names this MTA is known by,
+    for loop detection; ``allow_loopback`` lets MX hosts resolve to loopback addresses.
+    ``max_hosts`` bounds how many MX records of one domain are looked at (best first), so a
+    hostile zone cannot make us resolve thousands of names.
+    """
+
+    def __init__(
+        self,
+        *,
+        nameservers: Sequence[str],
+        clock: Callable[[], float],
+        rng: random.Random,
+        port: int = 53,
+        timeout: float = 5.0,
+        lifetime: float = 10.0,
+        own_addresses: Iterable[str] = (),
+        own_names: Iterable[str] = (),
+        allow_loopback: bool = False,
+        cache_size: int = 10_000,
+        max_hosts: int = 10,
+        default_negative_ttl: float = DEFAULT_NEGATIVE_TTL,
+        max_ttl: float = DEFAULT_MAX_TTL,
+        max_negative_ttl: float = DEFAULT_MAX_NEGATIVE_TTL,
+    ) -> None:
+        if not nameservers:
+            raise ValueError("at least one nameserver is needed")
+        resolver = dns.asyncresolver.Resolver(configure=False)
+        resolver.nameservers = list(nameservers)
+        resolver.port = port
+        resolver.timeout = timeout
+        resolver.lifetime = lifetime
+        resolver.cache = None  # we cache ourselves, on the injected clock
+        self._resolver = resolver
+        self._rng = rng
+        self.cache = AnswerCache(clock, cache_size)
+        self._own_addresses = frozenset(ipaddress.ip_address(a) for a in own_addresses)
+        self._own_names = frozenset(n.rstrip(".").lower() for n in own_names)
+        self._allow_loopback = allow_loopback
+        self._max_hosts = max_hosts
+        self._negative_ttl = default_negative_ttl
+        self._max_ttl = max_ttl
+        self._max_negative_ttl = max_negative_ttl
+
+    async def resolve(self, domain: str, *, ipv6: bool = True) -> MxResult:
+        """Resolve ``domain`` (an A-label domain name) to hosts, or to why there are none.
+
+        ``ipv6`` False leaves out AAAA lookups and IPv6 addresses, for zones without IPv6.
+        """
+        domain = domain.rstrip(".").lower()
+        try:
+            if not domain:
+                raise ValueError("empty name")
+            qname = dns.name.from_text(domain)
+        except (ValueError, dns.exception.DNSException) as exc:
+            reason = f"{domain!r} is not a valid domain name: {exc}"
+            return MxResult(MxKind.NO_DOMAIN, domain, reason, _NO_DOMAIN_STATUS)
+        candidates = await self._candidates(domain, qname)
+        if isinstance(candidates, MxResult):
+            return candidates
+        records, implicit = candidates
+        lookups = await asyncio.gather(*(self._addresses(name, ipv6) for _, name in records))
+        return self._choose(domain, records, lookups, implicit=implicit, ipv6=ipv6)
+
+    async def _candidates(
+        self, domain: str, qname: dns.name.Name
+    ) -> MxResult | tuple[list[tuple[int, str]], bool]:
+        """Step 1: the MX records to try and whether they are implicit, or a final result."""
+        try:
+            answer = await self._query(qname, "MX")
+        except _Temporary as exc:
+            return self._temporary(domain, f"MX lookup for {domain} failed: {exc.reason}")
+
+        if answer.outcome is DnsOutcome.NXDOMAIN:
+            reason = f"domain {domain} does not exist (NXDOMAIN)"
+            return MxResult(MxKind.NO_DOMAIN, domain, reason, _NO_DOMAIN_STATUS)
+        if answer.outcome is DnsOutcome.NODATA:
+            # RFC 5321 section 5.1: no MX records, so the domain is its own implicit MX.
+            return [(0, domain)], True
+        if len(answer.mx) == 1 and answer.mx[0][1] == "":
+            # RFC 7505 section 3: a single MX with an empty exchange ("0 .") says the domain
+            # takes no mail; section 4.1 asks for 556 5.1.10 and no connection attempt.
+            reason = f"domain {domain} does not accept mail (null MX, RFC 7505)"
+            return MxResult(MxKind.NULL_MX, domain, reason, _NULL_MX_STATUS)
+        records = _best_records(answer.mx, self._max_hosts)
+        if not records:
+            # Several root exchanges and nothing else: not a valid null MX (RFC 7505
+            # section 3 wants it alone), and nothing to connect to either.
+            reason = f"no usable MX host for {domain}"
+            return MxResult(MxKind.UNROUTABLE, domain, reason, _UNROUTABLE_STATUS)
+        return records, False
+
+    def _choose(
+        self,
+        domain: str,
+        records: list[tuple[int, str]],
+        lookups: Sequence[_HostLookup],
+        *,
+        implicit: bool,
+        ipv6: bool,
+    ) -> MxResult:
+        """Steps 3 and 4 of the theory of operation: drop ourselves, order, or explain."""
+        self_preference: int | None = None
+        self_host = ""
+        for (preference, name), lookup in zip(records, lookups, strict=True):
+            if self._is_self(name, lookup.addresses) and (
+                self_preference is None or preference < self_preference
+            ):
+                self_preference, self_host = preference, name
+
+        hosts: list[MxHost] = []
+        temporary: list[str] = []
+        for (preference, name), lookup in zip(records, lookups, strict=True):
+            # RFC 5321 section 5.1: discard our own record and every one at the same or a
+            # higher preference number; only better hosts may take the message from us.
+            if self_preference is not None and preference >= self_preference:
+                continue
+            if lookup.addresses:
+                hosts.append(MxHost(name, preference, lookup.addresses))
+            elif lookup.temporary is not None:
+                temporary.append(f"{name}: {lookup.temporary}")
+
+        if hosts:
+            # Shuffle, then a stable sort by preference: random order within a preference.
+            self._rng.shuffle(hosts)
+            hosts.sort(key=lambda host: host.preference)
+            return MxResult(
+                MxKind.HOSTS,
+                domain,
+                f"{len(hosts)} host(s) for {domain}",
+                None,
+                tuple(hosts),
+                implicit,
+            )
+        if temporary:
+            return self._temporary(
+                domain, f"address lookup failed for {domain}: {'; '.join(temporary)}"
+            )
+        if self_preference is not None:
+            return MxResult(
+                MxKind.LOOP,
+                domain,
+                f"mail for {domain} loops back to myself (MX host {self_host})",
+                _LOOP_STATUS,
+            )
+        family = "address" if ipv6 else "IPv4 address (IPv6 is turned off)"
+        what = (
+            f"{domain} has no MX and no {family}"
+            if implicit
+            else (f"no MX host of {domain} has an {family}")
+        )
+        return MxResult(MxKind.UNROUTABLE, domain, what, _UNROUTABLE_STATUS, (), implicit)
+
+    def _is_self(self, name: str, addresses: Sequence[str]) -> bool:
+        if name in self._own_names:
+            return True
+        for text in addresses:
+            ip = ipaddress.ip_address(text)
+            if ip in self._own_addresses:
+                return True
+            if not self._allow_loopback and _is_local(ip):
+                return True
+        return False
+
+    @staticmethod
+    def _temporary(domain: str, reason: str) -> MxResult:
+        return MxResult(MxKind.TEMPORARY, domain, reason, _TEMPORARY_STATUS)
+
+    async def _addresses(self, name: str, ipv6: bool) -> _HostLookup:
+        """A then AAAA for one host, usable addresses only; temporary failures noted."""
+        qname = dns.name.from_text(name)
+        rdtypes = ("A", "AAAA") if ipv6 else ("A",)
+        results = await asyncio.gather(
+            *(self._query(qname, rdtype) for rdtype in rdtypes), return_exceptions=True
+        )
+        addresses: list[str] = []
+        temporary: str | None = None
+        # IPv4 before IPv6: large receivers hold IPv6 senders to stricter checks (PTR,
+        # authentication), so IPv4 is the likelier first success; IPv6 stays as fallback.
+        for rdtype, result in zip(rdtypes, results, strict=True):
+            if isinstance(result, _Temporary):
+                temporary = f"{rdtype} lookup failed: {result.reason}"
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                for text in result.addresses:
+                    if not _is_unusable(ipaddress.ip_address(text)) and text not in addresses:
+                        addresses.append(text)
+        return _HostLookup(tuple(addresses), temporary)
+
+    async def _query(self, qname: dns.name.Name, rdtype: str) -> DnsAnswer:
+        """One question, from the cache or the resolver.  Raises only ``_Temporary``."""
+        key = qname.to_text()
+        cached = self.cache.get(key, rdtype)
+        if cached is not None:
+            return cached
+        answer = await self._ask(qname, rdtype)
+        self.cache.put(key, rdtype, answer)
+        return answer
+
+    async def _ask(self, qname: dns.name.Name, rdtype: str) -> DnsAnswer:
+        try:
+            result = await self._resolver.resolve(qname, rdtype, search=False)
+        except dns.resolver.NXDOMAIN as exc:
+            # dnspython leaves these accessors unannotated.
+            response = exc.responses().get(qname)  # type: ignore[no-untyped-call]
+            ttl = negative_ttl(response, self._negative_ttl, self._max_negative_ttl)
+            return DnsAnswer(DnsOutcome.NXDOMAIN, ttl)
+        except dns.resolver.NoAnswer as exc:
+            response = exc.response()  # type: ignore[no-untyped-call]
+            ttl = negative_ttl(response, self._negative_ttl, self._max_negative_ttl)
+            return DnsAnswer(DnsOutcome.NODATA, ttl)
+        except dns.resolver.LifetimeTimeout:
+            raise _Temporary("timed out") from None
+        except dns.resolver.NoNameservers as exc:
+            # Every server answered SERVFAIL/REFUSED or could not be reached.
+            raise _Temporary(f"no nameserver gave an answer ({exc})") from None
+        except dns.exception.DNSException as exc:
+            raise _Temporary(f"{type(exc).__name__}: {exc}") from None
+        except OSError as exc:
+            raise _Temporary(f"network error: {exc}") from None
+
+        rrset = result.rrset
+        if rrset is None:  # not reached with raise_on_no_answer, but typed as optional
+            return DnsAnswer(DnsOutcome.NODATA, min(self._negative_ttl, self._max_negative_ttl))
+        ttl = float(min(rrset.ttl, self._max_ttl))
+        if rdtype == "MX":
+            mx = tuple((int(r.preference), _host_text(r.exchange)) for r in rrset)
+            return DnsAnswer(DnsOutcome.ANSWER, ttl, mx=mx)
+        return DnsAnswer(DnsOutcome.ANSWER, ttl, addresses=tuple(r.address for r in rrset))
+
+
+def _best_records(mx: Iterable[tuple[int, str]], limit: int) -> list[tuple[int, str]]:
+    """MX records sorted by preference, root exchanges dropped, each host once (at its best
+    preference), at most ``limit`` of them."""
+    best: dict[str, int] = {}
+    for preference, name in mx:
+        if name and (name not in best or preference < best[name]):
+            best[name] = preference
+    # Sorted on preference alone (stable), so a cut inside a preference keeps DNS order
+    # rather than favouring names early in the alphabet.
+    ordered = sorted(((preference, name) for name, preference in best.items()), key=_first)
+    return ordered[:limit]
+
+
+def _first(record: tuple[int, str]) -> int:
+    return record[0]
