@@ -115,6 +115,9 @@ class StoreBase:
         # and nothing would ever find it again.
         self._receiving: dict[int, int] = {}
         self.quarantined: list[StorageCorruption] = []
+        # Called with a zone's name when recipients become ready there (once durable), so
+        # the queue service can wake delivery loops waiting for work instead of polling.
+        self.on_ready: Callable[[str], None] | None = None
 
     def recover(self, *, receiving: dict[int, int] | None = None) -> int:
         """Reload in-memory state from disk (``maintenance.py``)."""
@@ -205,9 +208,12 @@ class StoreBase:
         return effect
 
     def _cursor_back(self, zone: str, key: bytes) -> None:
+        """A record of ``zone`` is ready (again): scans must see it, waiters may wake."""
         cursor = self._cursors.get(zone)
         if cursor is not None and key < cursor:
             self._cursors[zone] = key
+        if self.on_ready is not None:
+            self.on_ready(zone)
 
     def _due_back(self, zone: str, due_key: bytes) -> Callable[[], None]:
         def effect() -> None:
