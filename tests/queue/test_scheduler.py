@@ -1,0 +1,154 @@
+"""Scheduling decisions: the zone rate (GCRA), domain slots, and jobs from leased recipients."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from zoneq.queue.scheduler import DomainSlots, JobQueue, RateLimiter, plan_jobs
+
+# --- the rate limiter -----------------------------------------------------------------------
+
+
+def test_unlimited_rate_always_allows() -> None:
+    rate = RateLimiter(0, 1000)
+    assert rate.unlimited
+    assert all(rate.take(0) for _ in range(10_000))
+    assert rate.wait_ms(0) == 0
+
+
+def test_rate_is_spread_evenly_without_burst() -> None:
+    rate = RateLimiter(10, 1000)  # 10 per second: one every 100 ms
+    assert rate.take(0)
+    assert not rate.take(0)
+    assert not rate.take(99)
+    assert rate.wait_ms(50) == 50
+    assert rate.take(100)
+    assert not rate.take(150)
+
+
+def test_burst_allows_that_many_at_once_then_the_rate() -> None:
+    rate = RateLimiter(10, 1000, burst=3)
+    assert [rate.take(0) for _ in range(4)] == [True, True, True, False]
+    assert rate.take(100)
+
+
+@pytest.mark.parametrize(("count", "per_ms", "burst"), [(-1, 1000, 1), (1, 0, 1), (1, 1000, 0)])
+def test_rate_refuses_impossible_settings(count: int, per_ms: int, burst: int) -> None:
+    with pytest.raises(ValueError):
+        RateLimiter(count, per_ms, burst)
+
+
+@given(
+    count=st.integers(1, 500),
+    per_ms=st.sampled_from([1000, 60_000, 3_600_000]),
+    steps=st.lists(st.integers(0, 5_000), min_size=1, max_size=300),
+)
+def test_no_window_ever_holds_more_than_the_rate_allows(
+    count: int, per_ms: int, steps: list[int]
+) -> None:
+    """However the clock advances, any window of length W holds at most W/interval + 1."""
+    rate = RateLimiter(count, per_ms)
+    interval = per_ms / count
+    now = 0
+    taken: list[int] = []
+    for step in steps:
+        now += step
+        while rate.take(now):
+            taken.append(now)
+    for a, b in itertools.pairwise(taken):
+        assert b - a >= interval - 1e-6  # evenly spread: never closer than one interval
+
+
+# --- domain slots ---------------------------------------------------------------------------
+
+
+def test_domain_slots_limit_each_domain_separately() -> None:
+    slots = DomainSlots(2, {"big.example": 3})
+    for _ in range(2):
+        slots.acquire("a.example")
+    assert not slots.available("a.example")
+    assert slots.available("b.example")
+    for _ in range(3):
+        slots.acquire("big.example")
+    assert not slots.available("big.example")
+    with pytest.raises(RuntimeError):
+        slots.acquire("a.example")
+    slots.release("a.example")
+    assert slots.available("a.example")
+    assert slots.in_flight("a.example") == 1
+    slots.release("a.example")
+    with pytest.raises(RuntimeError):
+        slots.release("a.example")
+
+
+# --- planning jobs --------------------------------------------------------------------------
+
+Item = tuple[int, str, str]  # (msg_id, domain, address)
+
+
+def group(item: Item) -> tuple[int, str]:
+    return item[0], item[1]
+
+
+def test_jobs_group_by_message_and_domain_in_first_seen_order() -> None:
+    items = [(1, "a", "x1"), (1, "b", "y1"), (1, "a", "x2"), (2, "a", "z1")]
+    jobs = plan_jobs(items, group=group)
+    assert [(j.msg_id, j.domain, [i[2] for i in j.items]) for j in jobs] == [
+        (1, "a", ["x1", "x2"]),
+        (1, "b", ["y1"]),
+        (2, "a", ["z1"]),
+    ]
+
+
+def test_jobs_hold_at_most_max_recipients() -> None:
+    items = [(1, "a", f"r{i}") for i in range(120)]
+    jobs = plan_jobs(items, group=group, max_recipients=50)
+    assert [len(j.items) for j in jobs] == [50, 50, 20]
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 5), st.sampled_from("abc"), st.text(max_size=3))),
+    st.integers(1, 7),
+)
+def test_every_item_is_in_exactly_one_homogeneous_job(items: list[Item], size: int) -> None:
+    jobs = plan_jobs(items, group=group, max_recipients=size)
+    assert sorted(i for j in jobs for i in j.items) == sorted(items)
+    for job in jobs:
+        assert 1 <= len(job.items) <= size
+        assert all(group(i) == (job.msg_id, job.domain) for i in job.items)
+
+
+# --- the job queue --------------------------------------------------------------------------
+
+
+def test_queue_skips_a_busy_domain_and_keeps_its_job() -> None:
+    queue: JobQueue[Item] = JobQueue()
+    queue.extend(plan_jobs([(1, "a", "x"), (2, "a", "y"), (3, "b", "z")], group=group))
+    slots = DomainSlots(1)
+    rate = RateLimiter(0, 1000)
+    first = queue.take(slots, rate, 0)
+    assert first is not None and first.msg_id == 1
+    second = queue.take(slots, rate, 0)  # domain a is busy: b goes ahead
+    assert second is not None and second.msg_id == 3
+    assert queue.take(slots, rate, 0) is None
+    assert queue.blocked_domains(slots) == {"a"}
+    slots.release("a")
+    third = queue.take(slots, rate, 0)
+    assert third is not None and third.msg_id == 2
+    assert len(queue) == 0
+
+
+def test_queue_waits_for_the_rate_and_keeps_order() -> None:
+    queue: JobQueue[Item] = JobQueue()
+    queue.extend(plan_jobs([(1, "a", "x"), (2, "b", "y")], group=group))
+    slots = DomainSlots(5)
+    rate = RateLimiter(1, 1000)
+    assert queue.take(slots, rate, 0) is not None
+    assert queue.take(slots, rate, 500) is None
+    job = queue.take(slots, rate, 1000)
+    assert job is not None and job.msg_id == 2
+    assert slots.in_flight("a") == 1 and slots.in_flight("b") == 1

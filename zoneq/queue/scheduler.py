@@ -1,0 +1,164 @@
+"""Scheduling decisions for one zone: pure, synchronous, time passed in.
+
+Theory of operation
+-------------------
+The core leases a *window* of ready recipients from the store (oldest message first) and
+turns it into *jobs*: one job is one SMTP transaction, the recipients of one message for one
+destination domain, at most ``max_recipients`` of them (Postfix's default is 50).  Jobs are
+handed to zone workers in the order of their oldest recipient, subject to two limits that
+hold for the zone as a whole, because the core enforces them centrally (ZoneMTA throttled
+per connection, which its users found useless):
+
+* a connection limit per destination domain: a job in flight holds one slot of its domain;
+* a zone-wide rate (jobs per second, minute or hour), spread evenly with GCRA, the generic
+  cell rate algorithm: each job moves a "theoretical arrival time" on by one interval, and
+  a job may start only while that time is at most ``burst - 1`` intervals ahead of now.
+
+A job whose domain is at its limit is skipped for now, not dropped: the next free slot of
+that domain picks it up, while jobs for other domains go ahead of it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+DEFAULT_MAX_RECIPIENTS = 50
+
+
+class RateLimiter:
+    """GCRA: at most ``count`` per ``per_ms``, spread evenly; ``count`` 0 means no limit."""
+
+    __slots__ = ("_interval", "_slack", "_tat")
+
+    def __init__(self, count: int, per_ms: int, burst: int = 1) -> None:
+        if count < 0 or per_ms <= 0 or burst < 1:
+            raise ValueError("a rate needs count >= 0, per_ms > 0 and burst >= 1")
+        self._interval = per_ms / count if count else 0.0
+        self._slack = (burst - 1) * self._interval
+        self._tat = 0.0
+
+    @property
+    def unlimited(self) -> bool:
+        return self._interval == 0.0
+
+    def wait_ms(self, now_ms: float) -> float:
+        """How long until :meth:`take` would succeed (0: now)."""
+        if self.unlimited:
+            return 0.0
+        return max(0.0, self._tat - self._slack - now_ms)
+
+    def take(self, now_ms: float) -> bool:
+        if self.unlimited:
+            return True
+        tat = max(self._tat, now_ms)
+        if tat - now_ms > self._slack:
+            return False
+        self._tat = tat + self._interval
+        return True
+
+
+class DomainSlots:
+    """Connections in flight per destination domain, against a limit per domain."""
+
+    def __init__(self, default_limit: int, limits: Mapping[str, int] | None = None) -> None:
+        if default_limit < 1:
+            raise ValueError("a domain connection limit must be at least 1")
+        self._default = default_limit
+        self._limits = dict(limits or {})
+        self._busy: dict[str, int] = {}
+
+    def limit(self, domain: str) -> int:
+        return self._limits.get(domain, self._default)
+
+    def in_flight(self, domain: str) -> int:
+        return self._busy.get(domain, 0)
+
+    def available(self, domain: str) -> bool:
+        return self._busy.get(domain, 0) < self.limit(domain)
+
+    def acquire(self, domain: str) -> None:
+        if not self.available(domain):
+            raise RuntimeError(f"no free connection slot for {domain}")
+        self._busy[domain] = self._busy.get(domain, 0) + 1
+
+    def release(self, domain: str) -> None:
+        left = self._busy.get(domain, 0) - 1
+        if left < 0:
+            raise RuntimeError(f"released a slot of {domain} that was not held")
+        if left:
+            self._busy[domain] = left
+        else:
+            del self._busy[domain]
+
+
+@dataclass(frozen=True, slots=True)
+class Planned(Generic[T]):
+    """One future SMTP transaction: recipients (leases) of one message for one domain."""
+
+    msg_id: int
+    domain: str
+    items: tuple[T, ...]
+
+
+def plan_jobs(
+    items: Iterable[T],
+    *,
+    group: Callable[[T], tuple[int, str]],
+    max_recipients: int = DEFAULT_MAX_RECIPIENTS,
+) -> list[Planned[T]]:
+    """Group ``items`` by ``group(item) = (msg_id, domain)`` into jobs of at most
+    ``max_recipients``, in the order each group first appears (oldest first)."""
+    groups: OrderedDict[tuple[int, str], list[T]] = OrderedDict()
+    for item in items:
+        groups.setdefault(group(item), []).append(item)
+    jobs: list[Planned[T]] = []
+    for (msg_id, domain), members in groups.items():
+        for start in range(0, len(members), max_recipients):
+            jobs.append(Planned(msg_id, domain, tuple(members[start : start + max_recipients])))
+    return jobs
+
+
+class JobQueue(Generic[T]):
+    """Planned jobs waiting for a slot, oldest first; takes the first one allowed to start."""
+
+    def __init__(self) -> None:
+        self._jobs: deque[Planned[T]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def recipients(self) -> int:
+        return sum(len(job.items) for job in self._jobs)
+
+    def extend(self, jobs: Sequence[Planned[T]]) -> None:
+        self._jobs.extend(jobs)
+
+    def take(self, slots: DomainSlots, rate: RateLimiter, now_ms: float) -> Planned[T] | None:
+        """The oldest job whose domain has a free slot, if the zone's rate allows one now.
+
+        The rate is checked first: a job not started for want of rate keeps its place.
+        """
+        if rate.wait_ms(now_ms) > 0:
+            return None
+        for index, job in enumerate(self._jobs):
+            if slots.available(job.domain):
+                if not rate.take(now_ms):
+                    return None
+                del self._jobs[index]
+                slots.acquire(job.domain)
+                return job
+        return None
+
+    def blocked_domains(self, slots: DomainSlots) -> set[str]:
+        """Domains with jobs waiting here that are at their connection limit."""
+        return {job.domain for job in self._jobs if not slots.available(job.domain)}
+
+    def drain(self) -> list[Planned[T]]:
+        jobs = list(self._jobs)
+        self._jobs.clear()
+        return jobs

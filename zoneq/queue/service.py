@@ -1,0 +1,426 @@
+"""The queue service: the core's async owner of the store, serving the zone workers.
+
+Theory of operation
+-------------------
+Workers ask for *jobs* (one SMTP transaction each: recipients of one message for one
+domain) and later report one outcome per recipient.  For each zone the service keeps a
+window of leased recipients planned into jobs (``scheduler.py``) and hands out the oldest
+job whose domain has a free connection slot, when the zone's rate allows.  A worker that
+finds nothing waits (``wait_ms``) and is woken when recipients become ready (the store's
+``on_ready`` hook), when a slot frees, or when the rate allows the next job.
+
+Every recipient handed out has a lease token; a report must carry it, and one that does not
+match (the worker was too slow, the message was dropped, the core restarted) is refused.
+The service remembers which worker connection holds which token, so a worker that goes
+away has all its recipients returned at once, ready again.
+
+Outcomes: DELIVERED completes the recipient; RETURNED gives it back untried; DEFERRED waits
+for the zone's retry schedule, or expires into a bounce once the schedule gives up;
+BOUNCED removes it with a DSN (``bounces.py``) queued in the bounce zone in the same batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from zoneq.config import Config
+from zoneq.errors import LeaseError, NotFound
+from zoneq.protocol.ids import id_time_ms
+from zoneq.protocol.retry import RetrySchedule
+from zoneq.queue.bounces import FULL_RETURN_LIMIT, HEADER_LIMIT, Failure, compose
+from zoneq.queue.scheduler import DomainSlots, JobQueue, Planned, RateLimiter, plan_jobs
+from zoneq.storage.records import MessageMeta, Notice
+from zoneq.storage.store import Lease, Outcome, QueueStore
+
+log = logging.getLogger("zoneq.queue")
+
+CORE_OWNER: Final = "core"  # the store-level owner of every lease the service holds
+DEFAULT_WINDOW: Final = 2000  # recipients leased ahead per zone
+DEFAULT_DOMAIN_CONNECTIONS: Final = 10
+EXPIRED_STATUS: Final = "4.4.7"  # RFC 3463: delivery time expired
+
+
+class Result(enum.Enum):
+    DELIVERED = "delivered"
+    DEFERRED = "deferred"
+    BOUNCED = "bounced"
+    RETURNED = "returned"
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecipient:
+    token: int
+    address: str
+    notify: tuple[str, ...]
+    orcpt: str | None
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """What a worker needs to run one SMTP transaction."""
+
+    msg_id: int
+    sender: str
+    size: int
+    chunks: int
+    domain: str
+    envid: str | None
+    ret: str | None
+    smtputf8: bool
+    body_8bit: bool
+    recipients: tuple[JobRecipient, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RecipientOutcome:
+    token: int
+    result: Result
+    reply: str = ""
+    code: int | None = None
+    enhanced: str | None = None
+    mx: str | None = None
+    source_ip: str | None = None
+    possible_duplicate: bool = False
+
+
+@dataclass(slots=True)
+class _Running:
+    """A job handed to a worker: its tokens still to be reported, and the slot it holds."""
+
+    zone: str
+    domain: str
+    owner: str
+    tokens: set[int]
+
+
+@dataclass(slots=True)
+class _Zone:
+    name: str
+    schedule: RetrySchedule
+    slots: DomainSlots
+    rate: RateLimiter
+    queue: JobQueue[Lease] = field(default_factory=JobQueue)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class QueueService:
+    def __init__(
+        self,
+        store: QueueStore,
+        config: Config,
+        *,
+        hostname: str,
+        clock: Callable[[], int] = wall_clock_ms,
+        window: int = DEFAULT_WINDOW,
+        domain_connections: int = DEFAULT_DOMAIN_CONNECTIONS,
+        max_recipients: int = 50,
+    ) -> None:
+        self._store = store
+        self._config = config
+        self._hostname = hostname
+        self._clock = clock
+        self._window = window
+        self._domain_connections = domain_connections
+        self._max_recipients = max_recipients
+        self._zones: dict[str, _Zone] = {}
+        self._leases: dict[int, tuple[Lease, int]] = {}  # token -> (lease, job id)
+        self._running: dict[int, _Running] = {}  # job id -> state
+        self._job_ids = itertools.count(1)
+        store.on_ready = self._wake
+
+    # --- zones ----------------------------------------------------------------------------
+
+    def _zone(self, name: str) -> _Zone:
+        zone = self._zones.get(name)
+        if zone is None:
+            settings = self._config.zones.get(name)
+            if name == self._config.routing.bounce_zone:
+                schedule = self._config.bounce_schedule
+            elif settings is not None:
+                schedule = settings.schedule
+            else:
+                schedule = RetrySchedule.parse()
+            zone = _Zone(
+                name=name,
+                schedule=schedule,
+                slots=DomainSlots(self._domain_connections),
+                rate=RateLimiter(0, 1000),
+            )
+            self._zones[name] = zone
+        return zone
+
+    def _wake(self, zone: str) -> None:
+        state = self._zones.get(zone)
+        if state is not None:
+            state.wake.set()
+
+    # --- leasing --------------------------------------------------------------------------
+
+    async def lease(self, zone: str, owner: str, max_jobs: int = 1, wait_ms: int = 0) -> list[Job]:
+        """Up to ``max_jobs`` jobs for ``owner``, waiting up to ``wait_ms`` for the first."""
+        state = self._zone(zone)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_ms / 1000
+        while True:
+            state.wake.clear()
+            jobs = self._take(state, owner, max_jobs)
+            remaining = deadline - loop.time()
+            if jobs or remaining <= 0:
+                return jobs
+            pause = remaining
+            rate_wait = state.rate.wait_ms(self._clock())
+            if rate_wait > 0:
+                pause = min(pause, rate_wait / 1000)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(state.wake.wait(), pause)
+
+    def _take(self, state: _Zone, owner: str, max_jobs: int) -> list[Job]:
+        jobs: list[Job] = []
+        now = self._clock()
+        while len(jobs) < max_jobs:
+            planned = state.queue.take(state.slots, state.rate, now)
+            if planned is None:
+                if not self._refill(state):
+                    break
+                continue
+            job = self._hand_out(state, owner, planned)
+            if job is not None:
+                jobs.append(job)
+        return jobs
+
+    def _refill(self, state: _Zone) -> bool:
+        """Lease more of the zone into jobs; False if nothing new could be planned."""
+        room = self._window - state.queue.recipients()
+        if room <= 0:
+            return False
+        blocked = state.queue.blocked_domains(state.slots)
+        leases = self._store.lease(
+            state.name,
+            room,
+            CORE_OWNER,
+            accept=lambda r: r.domain not in blocked and state.slots.available(r.domain),
+        )
+        if not leases:
+            return False
+        state.queue.extend(
+            plan_jobs(
+                leases,
+                group=lambda lease: (lease.recipient.msg_id, lease.recipient.domain),
+                max_recipients=self._max_recipients,
+            )
+        )
+        return True
+
+    def _hand_out(self, state: _Zone, owner: str, planned: Planned[Lease]) -> Job | None:
+        try:
+            meta = self._store.message(planned.msg_id)
+        except NotFound:  # dropped meanwhile: its leases were revoked by the drop
+            state.slots.release(planned.domain)
+            return None
+        job_id = next(self._job_ids)
+        tokens = {lease.token for lease in planned.items}
+        self._running[job_id] = _Running(state.name, planned.domain, owner, tokens)
+        for lease in planned.items:
+            self._leases[lease.token] = (lease, job_id)
+        return Job(
+            msg_id=meta.msg_id,
+            sender=meta.sender,
+            size=meta.size,
+            chunks=meta.chunks,
+            domain=planned.domain,
+            envid=meta.envid,
+            ret=meta.ret,
+            smtputf8=meta.smtputf8,
+            body_8bit=meta.body_8bit,
+            recipients=tuple(
+                JobRecipient(
+                    token=lease.token,
+                    address=lease.recipient.address,
+                    notify=lease.recipient.notify,
+                    orcpt=lease.recipient.orcpt,
+                    attempts=lease.recipient.attempts,
+                )
+                for lease in planned.items
+            ),
+        )
+
+    def _finish(self, token: int) -> Lease:
+        """Forget a reported token; free its job's slot once the job is fully reported."""
+        lease, job_id = self._leases.pop(token)
+        running = self._running[job_id]
+        running.tokens.discard(token)
+        if not running.tokens:
+            del self._running[job_id]
+            zone = self._zone(running.zone)
+            zone.slots.release(running.domain)
+            zone.wake.set()
+        return lease
+
+    # --- reports --------------------------------------------------------------------------
+
+    async def report(
+        self, owner: str, outcomes: Sequence[RecipientOutcome]
+    ) -> tuple[list[int], list[int]]:
+        """Apply a worker's outcomes; returns (accepted tokens, refused tokens).
+
+        A token is refused when it is not (or no longer) this worker's, or when the store
+        no longer holds its lease (an administrator dropped the message meanwhile).
+        """
+        now = self._clock()
+        refused: list[int] = []
+        work: list[Awaitable[int | None]] = []
+        failures: dict[int, list[tuple[int, Lease, Failure, Outcome, bool]]] = {}
+        for item in outcomes:
+            held = self._leases.get(item.token)
+            if held is None or self._running[held[1]].owner != owner:
+                refused.append(item.token)
+                continue
+            lease = self._finish(item.token)
+            outcome = Outcome(
+                reply=item.reply,
+                code=item.code,
+                enhanced=item.enhanced,
+                mx=item.mx,
+                source_ip=item.source_ip,
+                possible_duplicate=item.possible_duplicate,
+            )
+            if item.result is Result.DELIVERED:
+                work.append(_guarded(item.token, self._store.complete(lease, now, outcome)))
+            elif item.result is Result.RETURNED:
+                try:
+                    self._store.release(lease)
+                    work.append(_done(item.token))
+                except LeaseError:
+                    refused.append(item.token)
+            elif item.result is Result.DEFERRED:
+                next_at = self._next_attempt(lease, now)
+                if next_at is not None:
+                    defer = self._store.defer(lease, now, next_at, outcome)
+                    work.append(_guarded(item.token, defer))
+                else:
+                    # The last temporary status stands (as Postfix reports it): X.4.7 and
+                    # its kin are persistent transient failures (RFC 3463 section 3.5).
+                    status = item.enhanced or EXPIRED_STATUS
+                    failure = Failure(
+                        lease.recipient, status, item.reply or "delivery time expired", item.mx
+                    )
+                    group = failures.setdefault(lease.recipient.msg_id, [])
+                    group.append((item.token, lease, failure, outcome, True))
+            else:
+                status = item.enhanced or "5.0.0"  # RFC 3463: permanent, no detail given
+                failure = Failure(lease.recipient, status, item.reply or None, item.mx)
+                group = failures.setdefault(lease.recipient.msg_id, [])
+                group.append((item.token, lease, failure, outcome, False))
+        for msg_id, group in failures.items():
+            work.extend(self._bounce(msg_id, group, now))
+        done = await asyncio.gather(*work)
+        accepted = [token for token in done if token is not None]
+        refused.extend(item.token for item in outcomes if item.token not in accepted)
+        return accepted, sorted(set(refused))
+
+    def _next_attempt(self, lease: Lease, now: int) -> int | None:
+        """When to try again after this failure, or None: the schedule gives up (expired)."""
+        record = lease.recipient
+        schedule = self._zone(record.zone).schedule
+        return schedule.next_attempt(record.attempts + 1, id_time_ms(record.msg_id), now)
+
+    def _bounce(
+        self, msg_id: int, group: list[tuple[int, Lease, Failure, Outcome, bool]], now: int
+    ) -> list[Awaitable[int | None]]:
+        """Bounce every recipient of one message in ``group``, with one DSN for all of them
+        (it rides in the batch of the first)."""
+        notice: Notice | None = None
+        try:
+            meta = self._store.message(msg_id)
+            notice = compose(
+                meta,
+                [failure for _, _, failure, _, _ in group],
+                original_start=self._original_start(meta),
+                original_full=self._original_full(meta),
+                reporting_mta=self._hostname,
+                bounce_zone=self._config.routing.bounce_zone,
+                now_ms=now,
+            )
+        except NotFound:
+            log.warning("message %x vanished before its bounce could be written", msg_id)
+        work: list[Awaitable[int | None]] = []
+        for token, lease, _, outcome, expired in group:
+            bounce = self._store.bounce(lease, now, outcome, expired=expired, notice=notice)
+            work.append(_guarded(token, bounce))
+            notice = None
+        return work
+
+    def _original_start(self, meta: MessageMeta) -> bytes:
+        start = b""
+        for index in range(meta.chunks):
+            start += self._store.chunk(meta.msg_id, index)
+            if b"\r\n\r\n" in start or b"\n\n" in start or len(start) >= HEADER_LIMIT:
+                break
+        return start
+
+    def _original_full(self, meta: MessageMeta) -> bytes | None:
+        if (meta.ret or "").upper() != "FULL" or meta.size > FULL_RETURN_LIMIT:
+            return None
+        return b"".join(self._store.body(meta.msg_id))
+
+    # --- bodies and connections -----------------------------------------------------------
+
+    def chunk(self, msg_id: int, index: int) -> bytes:
+        return self._store.chunk(msg_id, index)
+
+    def disconnected(self, owner: str) -> int:
+        """A worker went away: everything it held is ready again at once; how many."""
+        mine = [
+            token for token, (_, job) in self._leases.items() if self._running[job].owner == owner
+        ]
+        for token in mine:
+            lease = self._finish(token)
+            with contextlib.suppress(LeaseError):  # revoked meanwhile (dropped by an admin)
+                self._store.release(lease)
+        return len(mine)
+
+    # --- timers ---------------------------------------------------------------------------
+
+    async def promote_due(self) -> int:
+        """Bring every zone's due deferred recipients back to ready; how many."""
+        now = self._clock()
+        moved = 0
+        for zone in sorted(self._store.zones()):
+            moved += await self._store.promote_due(zone, now)
+        return moved
+
+    async def run(self, stop: asyncio.Event, interval_s: float = 1.0) -> None:
+        """Promote due recipients until ``stop`` is set."""
+        while not stop.is_set():
+            await self.promote_due()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+
+    def in_flight(self) -> int:
+        return len(self._leases)
+
+
+async def _guarded(token: int, operation: Awaitable[None]) -> int | None:
+    """The token if the store applied the operation, None if its lease was gone."""
+    try:
+        await operation
+    except LeaseError:
+        return None
+    return token
+
+
+async def _done(token: int) -> int | None:
+    return token
