@@ -1,0 +1,595 @@
+"""The verbs spoken between the core and a zone worker, as frozen dataclasses.
+
+Theory of operation
+-------------------
+Every frame carries an envelope ``{"id": int, "verb": str, "body": map}``.  The worker sends
+requests; the core answers each with exactly one reply echoing its ``id``, so one connection
+carries many requests at once (several delivery loops of a worker share it) and replies may
+come back in any order.  ``seal`` builds an envelope, ``open_envelope`` checks one, and
+``decode_request`` / ``decode_reply`` turn its body into the dataclass its verb names.
+
+=========================  ======================  ==========================================
+request (worker -> core)   reply (core -> worker)  meaning
+=========================  ======================  ==========================================
+``Hello``                  ``Welcome``             first request on a connection, names the
+                                                   zone, the worker and the protocol version
+``LeaseRequest``           ``LeaseReply``          up to ``max_jobs`` ready jobs, waiting at
+                                                   most ``wait_ms`` for one (empty if none)
+``ChunkRequest``           ``ChunkReply``          one chunk of a leased message's body
+``Report``                 ``ReportReply``         outcomes per recipient token; tokens whose
+                                                   lease is no longer current are refused
+any                        ``ErrorReply``          the request failed; ``kind`` says how
+=========================  ======================  ==========================================
+
+Bodies are maps with the field names of the dataclasses, so a capture is readable without
+this module.  Decoding validates every field's type and names the field (as a path such as
+``lease.jobs[2].recipients[0].token``) in the ``ProtocolError`` it raises; no ``KeyError``
+or ``TypeError`` escapes.  Fields a body has beyond those known are ignored.  msgpack arrays
+decode as lists; they become tuples here so every message is immutable and hashable.
+
+Versioning: ``Hello`` carries ``version``, and decoding a ``Hello`` of another version
+raises ``ProtocolError`` before looking at any other field, since a different version may
+have different ones.  Within a version, changes must stay compatible both ways.
+
+``ErrorReply`` carries a zoneq error across the socket: ``ErrorReply.from_exception`` on the
+core maps an exception to a ``kind``, ``ErrorReply.to_exception`` on the worker maps it back.
+
+Pure: no asyncio, no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import ClassVar, Final, TypeVar
+
+from zoneq.errors import (
+    LeaseError,
+    NotFound,
+    ProtocolError,
+    TemporaryFailure,
+    ZoneqError,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "ChunkReply",
+    "ChunkRequest",
+    "CoreFailure",
+    "Envelope",
+    "ErrorReply",
+    "Hello",
+    "Job",
+    "JobRecipient",
+    "LeaseReply",
+    "LeaseRequest",
+    "Outcome",
+    "RecipientReport",
+    "Reply",
+    "Report",
+    "ReportReply",
+    "Request",
+    "Welcome",
+    "decode_reply",
+    "decode_request",
+    "open_envelope",
+    "reply_type_for",
+    "seal",
+]
+
+PROTOCOL_VERSION: Final = 1
+
+
+class CoreFailure(TemporaryFailure):
+    """The core failed to handle a request for a reason of its own (a bug, logged there).
+
+    Temporary from the worker's point of view: the mail is still queued and will be tried
+    again, so it must never turn into a bounce.
+    """
+
+
+# ---------------------------------------------------------------------------------------
+# Field validation.  ``where`` is the dotted path of the map being read, for error messages.
+
+_Body = Mapping[str, object]
+_T = TypeVar("_T")
+
+
+def _get(body: _Body, name: str, where: str) -> object:
+    try:
+        return body[name]
+    except KeyError:
+        raise ProtocolError(f"{where}.{name}: missing") from None
+
+
+def _fail(where: str, name: str, expected: str, value: object) -> ProtocolError:
+    return ProtocolError(f"{where}.{name}: expected {expected}, got {type(value).__name__}")
+
+
+def _int(body: _Body, name: str, where: str, *, minimum: int | None = None) -> int:
+    value = _get(body, name, where)
+    # bool is an int subclass in Python but a distinct msgpack type: refuse it, so a peer
+    # sending true for a count is caught rather than read as 1.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _fail(where, name, "int", value)
+    if minimum is not None and value < minimum:
+        raise ProtocolError(f"{where}.{name}: must be at least {minimum}, got {value}")
+    return value
+
+
+def _opt_int(body: _Body, name: str, where: str) -> int | None:
+    if _get(body, name, where) is None:
+        return None
+    return _int(body, name, where)
+
+
+def _str(body: _Body, name: str, where: str) -> str:
+    value = _get(body, name, where)
+    if not isinstance(value, str):
+        raise _fail(where, name, "str", value)
+    return value
+
+
+def _opt_str(body: _Body, name: str, where: str) -> str | None:
+    if _get(body, name, where) is None:
+        return None
+    return _str(body, name, where)
+
+
+def _bool(body: _Body, name: str, where: str) -> bool:
+    value = _get(body, name, where)
+    if not isinstance(value, bool):
+        raise _fail(where, name, "bool", value)
+    return value
+
+
+def _bytes(body: _Body, name: str, where: str) -> bytes:
+    value = _get(body, name, where)
+    if not isinstance(value, bytes):
+        raise _fail(where, name, "bytes", value)
+    return value
+
+
+def _list(body: _Body, name: str, where: str) -> list[object]:
+    value = _get(body, name, where)
+    if not isinstance(value, list | tuple):
+        raise _fail(where, name, "array", value)
+    return list(value)
+
+
+def _map(value: object, where: str) -> _Body:
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{where}: expected map, got {type(value).__name__}")
+    # Keys are str whenever the peer follows the protocol; a non-str key can only fail a
+    # lookup later, which reports the field as missing.
+    return value
+
+
+def _str_tuple(body: _Body, name: str, where: str) -> tuple[str, ...]:
+    items = _list(body, name, where)
+    for index, item in enumerate(items):
+        if not isinstance(item, str):
+            raise _fail(where, f"{name}[{index}]", "str", item)
+    return tuple(items)  # type: ignore[arg-type]  # every item checked to be str above
+
+
+def _int_tuple(body: _Body, name: str, where: str) -> tuple[int, ...]:
+    items = _list(body, name, where)
+    for index, item in enumerate(items):
+        if not isinstance(item, int) or isinstance(item, bool):
+            raise _fail(where, f"{name}[{index}]", "int", item)
+    return tuple(items)  # type: ignore[arg-type]  # every item checked to be int above
+
+
+def _nested(
+    body: _Body, name: str, where: str, decode: Callable[[_Body, str], _T]
+) -> tuple[_T, ...]:
+    items = _list(body, name, where)
+    out: list[_T] = []
+    for index, item in enumerate(items):
+        path = f"{where}.{name}[{index}]"
+        out.append(decode(_map(item, path), path))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------
+# Requests
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Introduces a worker; must be the first request on a connection."""
+
+    VERB: ClassVar[str] = "hello"
+
+    zone: str
+    worker: str
+    pid: int
+    version: int = PROTOCOL_VERSION
+
+    def to_wire(self) -> dict[str, object]:
+        return {"version": self.version, "zone": self.zone, "worker": self.worker, "pid": self.pid}
+
+    @classmethod
+    def from_wire(cls, body: _Body, where: str = VERB) -> Hello:
+        version = _int(body, "version", where)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"{where}.version: protocol version {version} is not supported "
+                f"(this side speaks {PROTOCOL_VERSION})"
+            )
+        return cls(
+            zone=_str(body, "zone", where),
+            worker=_str(body, "worker", where),
+            pid=_int(body, "pid", where),
+            version=version,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRequest:
+    """Asks for up to ``max_jobs`` jobs of the connection's zone, waiting up to ``wait_ms``."""
+
+    VERB: ClassVar[str] = "lease"
+
+    max_jobs: int = 1
+    wait_ms: int = 0
+
+    def to_wire(self) -> dict[str, object]:
+        return {"max_jobs": self.max_jobs, "wait_ms": self.wait_ms}
+
+    @classmethod
+    def from_wire(cls, body: _Body, where: str = VERB) -> LeaseRequest:
+        return cls(
+            max_jobs=_int(body, "max_jobs", where, minimum=1),
+            wait_ms=_int(body, "wait_ms", where, minimum=0),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRequest:
+    """Asks for chunk ``index`` (from 0) of a leased message's body."""
+
+    VERB: ClassVar[str] = "chunk"
+
+    msg_id: int
+    index: int
+
+    def to_wire(self) -> dict[str, object]:
+        return {"msg_id": self.msg_id, "index": self.index}
+
+    @classmethod
+    def from_wire(cls, body: _Body, where: str = VERB) -> ChunkRequest:
+        return cls(
+            msg_id=_int(body, "msg_id", where, minimum=0),
+            index=_int(body, "index", where, minimum=0),
+        )
+
+
+class Outcome(enum.StrEnum):
+    DELIVERED = "delivered"  # 2xx after the final dot
+    DEFERRED = "deferred"  # temporary failure; the core schedules another attempt
+    BOUNCED = "bounced"  # permanent failure; the core writes the DSN
+    RETURNED = "returned"  # given back untried (shutdown, zone paused): not an attempt
+
+
+@dataclass(frozen=True, slots=True)
+class RecipientReport:
+    """The result of one attempt for one leased recipient, named by its lease token."""
+
+    token: int
+    outcome: Outcome
+    reply: str = ""
+    code: int | None = None
+    enhanced: str | None = None
+    mx: str | None = None
+    source_ip: str | None = None
+    # RFC 1047: the connection was lost after the final dot; see zoneq.protocol.events.
+    possible_duplicate: bool = False
+
+    def to_wire(self) -> dict[str, object]:
+        return {
+            "token": self.token,
+            "outcome": self.outcome.value,
+            "reply": self.reply,
+            "code": self.code,
+            "enhanced": self.enhanced,
+            "mx": self.mx,
+            "source_ip": self.source_ip,
+            "possible_duplicate": self.possible_duplicate,
+        }
+
+    @classmethod
+    def from_wire(cls, body: _Body, where: str) -> RecipientReport:
+        outcome = _str(body, "outcome", where)
+        try:
+            parsed = Outcome(outcome)
+        except ValueError:
+            raise ProtocolError(f"{where}.outcome: unknown outcome {outcome!r}") from None
+        return cls(
+            token=_int(body, "token", where),
+            outcome=parsed,
+            reply=_str(body, "reply", where),
+            code=_opt_int(body, "code", where),
+            enhanced=_opt_str(body, "enhanced", where),
+            mx=_opt_str(body, "mx", where),
+            source_ip=_opt_str(body, "source_ip", where),
+            possible_duplicate=_bool(body, "possible_duplicate", where),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """Outcomes for leased recipients; the core commits them and ends their leases."""
+
+    VERB: ClassVar[str] = "report"
+
+    results: tuple[RecipientReport, ...]
+
+    def to_wire(self) -> dict[str, object]:
+        return {"results": [result.to_wire() for result in self.results]}
+
+    @classmethod
+    def from_wire(cls, body: _Body, where: str = VERB) -> Report:
+        return cls(results=_nested(body, "results", where, RecipientReport.from_wire))
+
+
+# ---------------------------------------------------------------------------------------
+# Replies
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    VERB: ClassVar[str] = "welcome"
+
+    core_pid: int
+
+    def to_wire(self) -> dict[str, object]:
+        return {"core_pid": self.core_pid}
+
+    @classmethod
+    def from_wire(cls, body: _Body, where: str = VERB) -> Welcome:
+        return cls(core_pid=_int(body, "core_pid", where))
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecipient:
+    """One leased recipient.  ``token`` names the lease; a report quotes it."""
+
+    token: int
+    address: str
+    notify: tuple[str, ...] = ()
+    orcpt: str | None = None
+    attempts: int = 0
+
+    def to_wire(self) -> dict[str, object]:
+        return {
+            "token": self.token,
+            "address": self.address,
+            "notify": list(self.notify),
+            "orcpt": self.orcpt,
+            "attempts": self.attempts,
+        }
+
+    @classmethod
+    def from_wire(cls, body: _Body, where: str) -> JobRecipient:
+        return cls(
+            token=_int(body, "token", where),
+            address=_str(body, "address", where),
+            notify=_str_tuple(body, "notify", where),
+            orcpt=_opt_str(body, "orcpt", where),
+            attempts=_int(body, "attempts", where, minimum=0),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Job:
+    """One message for one destination domain, with its leased recipients there.
+
+    The body is not included: it is fetched chunk by chunk (``ChunkRequest``), ``chunks``
+    of them, so a worker never holds a whole large message.
+    """
+
+    msg_id: int
+    sender: str
+    size: int
+    chunks: int
+    domain: str
+    envid: str | None = None
+    ret: str | None = None  # RFC 3461 RET: FULL or HDRS
+    smtputf8: bool = False
+    body_8bit: bool = False
+    recipients: tuple[JobRecipient, ...] = ()
+
+    def to_wire(self) -> dict[str, object]:
+        return {
+            "msg_id": self.msg_id,
+            "sender": self.sender,
+            "size": self.size,
+            "chunks": self.chunks,
+            "domain": self.domain,
+            "envid": self.envid,
+            "ret": self.ret,
+            "smtputf8": self.smtputf8,
+            "body_8bit": self.body_8bit,
+            "recipients": [recipient.to_wire() for recipient in self.recipients],
+        }
+
+    @classmethod
+    def from_wire(cls, body: _Body, where: str) -> Job:
+        return cls(
+            msg_id=_int(body, "msg_id", where, minimum=0),
+            sender=_str(body, "sender", where),
+            size=_int(body, "size", where, minimum=0),
+            chunks=_int(body, "chunks", where, minimum=0),
+            domain=_str(body, "domain", where),
+            envid=_opt_str(body, "envid", where),
+            ret=_opt_str(body, "ret", where),
+            smtputf8=_bool(body, "smtputf8", where),
+            body_8bit=_bool(body, "body_8bit", where),
+            recipients=_nested(body, "recipients", where, JobRecipient.from_wire),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseReply:
+    VERB: ClassVar[str] = "leased"
+
+    jobs: tuple[Job, ...] = ()
+
+    def to_wire(self) -> dict[str, object]:
+        return {"jobs": [job.to_wire() for job in self.jobs]}
+
+    @classmethod
+    def from_wire(cls, body: _Body, where: str = VERB) -> LeaseReply:
+        return cls(jobs=_nested(body, "jobs", where, Job.from_wire))
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkReply:
+    VERB: ClassVar[str] = "chunk-data"
+
+    data: bytes
+
+    def to_wire(self) -> dict[str, object]:
+        return {"data": self.data}
+
+    @classmethod
+    def from_wire(cls, body: _Body, where: str = VERB) -> ChunkReply:
+        return cls(data=_bytes(body, "data", where))
+
+
+@dataclass(frozen=True, slots=True)
+class ReportReply:
+    """Which reported tokens were committed, and which refused (their lease had ended)."""
+
+    VERB: ClassVar[str] = "reported"
+
+    accepted: tuple[int, ...] = ()
+    refused: tuple[int, ...] = ()
+
+    def to_wire(self) -> dict[str, object]:
+        return {"accepted": list(self.accepted), "refused": list(self.refused)}
+
+    @classmethod
+    def from_wire(cls, body: _Body, where: str = VERB) -> ReportReply:
+        return cls(
+            accepted=_int_tuple(body, "accepted", where),
+            refused=_int_tuple(body, "refused", where),
+        )
+
+
+# Most specific class first: the first isinstance match gives the kind.  TemporaryFailure
+# covers the storage failures too: to a worker they all mean "try again later".
+_KIND_OF_ERROR: Final[tuple[tuple[type[ZoneqError], str], ...]] = (
+    (ProtocolError, "protocol"),
+    (LeaseError, "lease"),
+    (NotFound, "not-found"),
+    (TemporaryFailure, "temporary"),
+    (ZoneqError, "error"),
+)
+_ERROR_OF_KIND: Final[dict[str, type[ZoneqError]]] = {
+    "protocol": ProtocolError,
+    "lease": LeaseError,
+    "not-found": NotFound,
+    "temporary": TemporaryFailure,
+    "error": ZoneqError,
+    "internal": CoreFailure,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """The request failed.  ``kind`` picks the error the worker raises; ``message`` is for
+    people and logs.  Kinds: protocol, lease, not-found, temporary, error (another zoneq
+    error), internal (an unexpected exception in the core, raised as ``CoreFailure``).
+    """
+
+    VERB: ClassVar[str] = "error"
+
+    kind: str
+    message: str
+
+    def to_wire(self) -> dict[str, object]:
+        return {"kind": self.kind, "message": self.message}
+
+    @classmethod
+    def from_wire(cls, body: _Body, where: str = VERB) -> ErrorReply:
+        return cls(kind=_str(body, "kind", where), message=_str(body, "message", where))
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> ErrorReply:
+        for error_type, kind in _KIND_OF_ERROR:
+            if isinstance(exc, error_type):
+                return cls(kind=kind, message=str(exc) or type(exc).__name__)
+        # Not one of ours: the details belong in the core's log, not on the wire.
+        return cls(kind="internal", message=f"internal error ({type(exc).__name__})")
+
+    def to_exception(self) -> ZoneqError:
+        # A kind from a newer core that this worker does not know is still a zoneq error.
+        error_type = _ERROR_OF_KIND.get(self.kind, ZoneqError)
+        return error_type(self.message)
+
+
+# ---------------------------------------------------------------------------------------
+# Envelopes
+
+Request = Hello | LeaseRequest | ChunkRequest | Report
+Reply = Welcome | LeaseReply | ChunkReply | ReportReply | ErrorReply
+
+_REQUESTS: Final[dict[str, Callable[[_Body], Request]]] = {
+    cls.VERB: cls.from_wire for cls in (Hello, LeaseRequest, ChunkRequest, Report)
+}
+_REPLIES: Final[dict[str, Callable[[_Body], Reply]]] = {
+    cls.VERB: cls.from_wire for cls in (Welcome, LeaseReply, ChunkReply, ReportReply, ErrorReply)
+}
+_REPLY_TYPE: Final[dict[type[Request], type[Reply]]] = {
+    Hello: Welcome,
+    LeaseRequest: LeaseReply,
+    ChunkRequest: ChunkReply,
+    Report: ReportReply,
+}
+
+
+def reply_type_for(request: Request) -> type[Reply]:
+    """The reply class that answers ``request`` when it succeeds."""
+    return _REPLY_TYPE[type(request)]
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """A checked envelope whose body is not decoded yet (its ``id`` is known even if the
+    body turns out to be bad, so the error can be answered to the right request)."""
+
+    id: int
+    verb: str
+    body: _Body
+
+
+def seal(req_id: int, message: Request | Reply) -> dict[str, object]:
+    """The wire form of ``message`` as request or reply number ``req_id``."""
+    return {"id": req_id, "verb": message.VERB, "body": message.to_wire()}
+
+
+def open_envelope(obj: object) -> Envelope:
+    envelope = _map(obj, "envelope")
+    return Envelope(
+        id=_int(envelope, "id", "envelope", minimum=0),
+        verb=_str(envelope, "verb", "envelope"),
+        body=_map(_get(envelope, "body", "envelope"), "envelope.body"),
+    )
+
+
+def decode_request(envelope: Envelope) -> Request:
+    decode = _REQUESTS.get(envelope.verb)
+    if decode is None:
+        raise ProtocolError(f"envelope.verb: unknown request {envelope.verb!r}")
+    return decode(envelope.body)
+
+
+def decode_reply(envelope: Envelope) -> Reply:
+    decode = _REPLIES.get(envelope.verb)
+    if decode is None:
+        raise ProtocolError(f"envelope.verb: unknown reply {envelope.verb!r}")
+    return decode(envelope.body)
