@@ -1,0 +1,536 @@
+"""Tests for the SMTP client transaction (zoneq.delivery.transport).
+
+Two servers play the remote MX: Postfix's smtp-sink (a real implementation, dumping what it
+received) and ``FaultServer`` (ours, recording raw bytes and injecting faults).  Both listen
+on 127.0.0.0/8 only.  pytest-asyncio is not installed: async bodies run under asyncio.run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import ssl
+import tracemalloc
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from tests.support.faultserver import EndAction, Faults, FaultServer, StartTls, self_signed_tls
+from tests.support.smtpsink import run_smtp_sink
+from zoneq.delivery.transport import (
+    RFC5321_TIMEOUTS,
+    MailOptions,
+    Recipient,
+    Timeouts,
+    TlsPolicy,
+    deliver,
+)
+from zoneq.protocol.dsn import Notify, Ret
+from zoneq.protocol.encoder import dot_stuff
+from zoneq.protocol.replies import EnhancedStatus, Stage, Verdict
+
+SENDER = "sender@example.org"
+BODY = b"From: sender@example.org\r\nTo: a@example.net\r\nSubject: test\r\n\r\nhello\r\n"
+# Small but not tiny: a loaded CI machine must not turn a normal reply into a timeout.
+FAST = Timeouts(
+    greeting=5, ehlo=5, starttls=5, mail=5, rcpt=5, data_init=5, data_block=5, data_end=5
+)
+
+
+def run(**kwargs: Any) -> Any:
+    kwargs.setdefault("helo_name", "client.example.org")
+    kwargs.setdefault("sender", SENDER)
+    kwargs.setdefault("body", lambda: [BODY])
+    kwargs.setdefault("timeouts", FAST)
+    kwargs.setdefault("tls", TlsPolicy.NONE)
+    return asyncio.run(deliver(**kwargs))
+
+
+def against(faults: Faults, server_tls: ssl.SSLContext | None = None, **kwargs: Any) -> Any:
+    """Run ``deliver`` against a FaultServer (with ``server_tls`` for STARTTLS); return
+    (result, server)."""
+
+    async def main() -> Any:
+        async with FaultServer(faults, server_tls) as server:
+            kwargs.setdefault("helo_name", "client.example.org")
+            kwargs.setdefault("sender", SENDER)
+            kwargs.setdefault("body", lambda: [BODY])
+            kwargs.setdefault("timeouts", FAST)
+            kwargs.setdefault("tls", TlsPolicy.NONE)
+            result = await deliver(host=server.host, port=server.port, **kwargs)
+            return result, server
+
+    return asyncio.run(main())
+
+
+def unused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def as_lf(body: bytes) -> bytes:
+    """The body as smtp-sink dumps it: every line ending LF, and a final one."""
+    text = re.sub(rb"\r\n|\r|\n", b"\n", body)
+    return text if not text or text.endswith(b"\n") else text + b"\n"
+
+
+# --- without a server ----------------------------------------------------------------------
+
+
+def test_default_timeouts_are_rfc5321_section_4_5_3_2() -> None:
+    t = RFC5321_TIMEOUTS
+    assert (t.greeting, t.mail, t.rcpt) == (300, 300, 300)
+    assert (t.data_init, t.data_block, t.data_end) == (120, 180, 600)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"helo_name": "two words"},
+        {"recipients": [Recipient("a@x", notify=frozenset({Notify.NEVER, Notify.SUCCESS}))]},
+        {"recipients": [Recipient("a@x", orcpt="no type")]},
+        {"options": MailOptions(envid="has space")},
+    ],
+)
+def test_caller_mistakes_raise_value_error(kwargs: dict[str, Any]) -> None:
+    kwargs.setdefault("recipients", ["a@example.net"])
+    with pytest.raises(ValueError):
+        run(host="127.0.0.1", port=unused_port(), **kwargs)
+
+
+def test_address_with_control_characters_bounces_without_connecting() -> None:
+    result = run(host="127.0.0.1", port=unused_port(), recipients=["a@x\r\nRSET"])
+    (only,) = result.recipients
+    assert (only.verdict, only.stage, only.status) == (
+        Verdict.BOUNCE,
+        Stage.RCPT,
+        EnhancedStatus(5, 1, 3),
+    )
+    assert result.peer is None
+
+
+@pytest.mark.integration
+def test_connection_refused_is_next_host_for_everyone() -> None:
+    result = run(host="127.0.0.1", port=unused_port(), recipients=["a@x.example", "b@x.example"])
+    assert [r.verdict for r in result.recipients] == [Verdict.NEXT_HOST] * 2
+    assert {r.stage for r in result.recipients} == {Stage.CONNECT}
+    assert result.recipients[0].status == EnhancedStatus(4, 4, 1)
+    assert not result.possible_duplicate
+
+
+# --- smtp-sink -----------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_plain_delivery_to_smtp_sink() -> None:
+    body = b"Subject: dots\n\n.leading dot\r\n..two\rbare CR\nbare LF\r\n.\r\nno final newline"
+    chunks = [body[i : i + 7] for i in range(0, len(body), 7)]  # boundaries everywhere
+    with run_smtp_sink() as sink:
+        result = run(
+            host=sink.host,
+            port=sink.port,
+            recipients=["a@example.net", "b@example.net", "c@example.com"],
+            body=lambda: iter(chunks),
+            source_address="127.0.0.9",
+        )
+        (message,) = sink.messages(1)
+    assert [r.verdict for r in result.recipients] == [Verdict.DONE] * 3
+    assert {r.stage for r in result.recipients} == {Stage.END_OF_DATA}
+    assert result.recipients[0].reply.code == 250
+    assert (result.peer, result.local, result.tls) == (sink.host, "127.0.0.9", False)
+    assert message.client_addr == "127.0.0.9"
+    assert message.helo == "client.example.org"
+    assert message.mail_args == f"<{SENDER}>"
+    assert message.rcpt_args == ["<a@example.net>", "<b@example.net>", "<c@example.com>"]
+    assert message.content == as_lf(body)
+
+
+@pytest.mark.integration
+def test_dsn_parameters_reach_smtp_sink() -> None:
+    with run_smtp_sink() as sink:
+        result = run(
+            host=sink.host,
+            port=sink.port,
+            recipients=[
+                Recipient(
+                    "a@example.net",
+                    notify=frozenset({Notify.FAILURE, Notify.SUCCESS}),
+                    orcpt="rfc822;A+2Bx@example.net",
+                ),
+                Recipient("b@example.net", notify=frozenset({Notify.NEVER})),
+            ],
+            options=MailOptions(ret=Ret.HDRS, envid="QQ+2B123", eight_bit=True),
+        )
+        (message,) = sink.messages(1)
+    assert "DSN" in result.extensions
+    assert message.mail_args == f"<{SENDER}> BODY=8BITMIME RET=HDRS ENVID=QQ+2B123"
+    assert message.rcpt_args == [
+        "<a@example.net> NOTIFY=SUCCESS,FAILURE ORCPT=rfc822;A+2Bx@example.net",
+        "<b@example.net> NOTIFY=NEVER",
+    ]
+
+
+@pytest.mark.integration
+def test_dsn_parameters_are_left_out_when_not_offered() -> None:
+    with run_smtp_sink("-N") as sink:
+        result = run(
+            host=sink.host,
+            port=sink.port,
+            recipients=[Recipient("a@example.net", notify=frozenset({Notify.SUCCESS}))],
+            options=MailOptions(ret=Ret.FULL),
+        )
+        (message,) = sink.messages(1)
+    assert "DSN" not in result.extensions
+    assert result.recipients[0].verdict is Verdict.DONE
+    assert message.mail_args == f"<{SENDER}>"
+    assert message.rcpt_args == ["<a@example.net>"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("option", "verdict", "code"), [("-r", Verdict.DEFER, 450), ("-f", Verdict.BOUNCE, 500)]
+)
+def test_smtp_sink_refusing_every_rcpt(option: str, verdict: Verdict, code: int) -> None:
+    with run_smtp_sink(option, "RCPT") as sink:
+        result = run(host=sink.host, port=sink.port, recipients=["a@example.net", "b@x.example"])
+        assert sink.messages(0, timeout=0.2) == []  # no DATA without a recipient
+    assert [r.verdict for r in result.recipients] == [verdict] * 2
+    assert {r.stage for r in result.recipients} == {Stage.RCPT}
+    assert {r.reply.code for r in result.recipients} == {code}
+
+
+@pytest.mark.integration
+def test_smtp_sink_421_after_the_dot_is_a_possible_duplicate() -> None:
+    with run_smtp_sink("-Q", ".") as sink:
+        result = run(host=sink.host, port=sink.port, recipients=["a@example.net"])
+    (only,) = result.recipients
+    assert (only.verdict, only.stage, only.possible_duplicate) == (
+        Verdict.DEFER,
+        Stage.END_OF_DATA,
+        True,
+    )
+
+
+# --- fault server: per-recipient outcomes --------------------------------------------------
+
+
+@pytest.mark.integration
+def test_mixed_rcpt_replies_give_one_outcome_each() -> None:
+    faults = Faults(
+        rcpt_replies={
+            2: b"450 4.2.1 Mailbox busy, try again",
+            3: b"550 5.1.1 No such user",
+        }
+    )
+    result, server = against(faults, recipients=["ok@x.example", "busy@x.example", "no@x.example"])
+    ok, busy, no = result.recipients
+    assert (ok.verdict, ok.stage) == (Verdict.DONE, Stage.END_OF_DATA)
+    assert (busy.verdict, busy.stage, busy.status) == (
+        Verdict.DEFER,
+        Stage.RCPT,
+        EnhancedStatus(4, 2, 1),
+    )
+    assert (no.verdict, no.stage, no.reply.code) == (Verdict.BOUNCE, Stage.RCPT, 550)
+    # One transaction: the accepted recipient got the message once and was not sent again.
+    assert len(server.payloads) == 1
+    assert server.verbs().count(b"RCPT") == 3
+
+
+@pytest.mark.integration
+def test_452_too_many_recipients_are_sent_in_follow_up_transactions() -> None:
+    rcpts = [f"r{i}@x.example" for i in range(5)]
+    result, server = against(Faults(max_recipients=2), recipients=rcpts)
+    assert [r.verdict for r in result.recipients] == [Verdict.DONE] * 5
+    assert [r.transaction for r in result.recipients] == [0, 0, 1, 1, 2]
+    assert result.transactions == 3
+    assert len(server.sessions) == 1  # the same connection
+    assert len(server.payloads) == 3
+    verbs = server.verbs()
+    assert verbs.count(b"MAIL") == 3
+    assert b"RSET" not in verbs  # a completed transaction needs no RSET (RFC 5321 4.1.1.4)
+    accepted = [c for c in server.commands() if c.startswith(b"RCPT")]
+    assert len(accepted) == 7  # 5 accepted, plus the 452 ones (r2, r4) tried first
+
+
+@pytest.mark.integration
+def test_all_recipients_refused_sends_no_data() -> None:
+    faults = Faults(rcpt_replies={1: b"550 5.1.1 No", 2: b"551 5.1.6 Moved"})
+    result, server = against(faults, recipients=["a@x.example", "b@x.example"])
+    assert [r.verdict for r in result.recipients] == [Verdict.BOUNCE] * 2
+    assert b"DATA" not in server.verbs()
+    assert server.verbs()[-1] == b"QUIT"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("faults", "stage", "verdict"),
+    [
+        (Faults(mail_reply=b"451 4.3.0 Try later"), Stage.MAIL, Verdict.DEFER),
+        (Faults(mail_reply=b"553 5.1.8 Bad sender"), Stage.MAIL, Verdict.BOUNCE),
+        (Faults(data_reply=b"554 5.7.1 No"), Stage.DATA, Verdict.BOUNCE),
+        (Faults(end_reply=b"552 5.3.4 Too big"), Stage.END_OF_DATA, Verdict.BOUNCE),
+        (Faults(end_reply=b"451 4.3.0 Later"), Stage.END_OF_DATA, Verdict.DEFER),
+        (Faults(greeting=b"554 5.7.1 Go away"), Stage.GREETING, Verdict.NEXT_HOST),
+    ],
+)
+def test_refusals_by_stage(faults: Faults, stage: Stage, verdict: Verdict) -> None:
+    result, _ = against(faults, recipients=["a@x.example", "b@x.example"])
+    assert {(r.stage, r.verdict) for r in result.recipients} == {(stage, verdict)}
+    assert not result.possible_duplicate
+
+
+@pytest.mark.integration
+def test_421_at_rcpt_sends_everyone_to_the_next_host() -> None:
+    faults = Faults(rcpt_replies={2: b"421 4.3.2 Shutting down"})
+    result, server = against(faults, recipients=["a@x.example", "b@x.example", "c@x.example"])
+    assert [r.verdict for r in result.recipients] == [Verdict.NEXT_HOST] * 3
+    assert {r.reply.code for r in result.recipients} == {421}
+    assert b"DATA" not in server.verbs()
+
+
+# --- fault server: after the dot -----------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_no_reply_after_the_dot_is_defer_and_possible_duplicate() -> None:
+    result, server = against(
+        Faults(end_action=EndAction.DROP), recipients=["a@x.example", "b@x.example"]
+    )
+    assert len(server.payloads) == 1  # the server has the whole message
+    for r in result.recipients:
+        assert (r.verdict, r.stage, r.possible_duplicate) == (
+            Verdict.DEFER,
+            Stage.END_OF_DATA,
+            True,
+        )
+        assert r.reply is None
+    assert result.possible_duplicate
+
+
+@pytest.mark.integration
+def test_421_after_the_dot_is_defer_and_possible_duplicate() -> None:
+    result, _ = against(Faults(end_reply=b"421 4.4.2 Timeout, closing"), recipients=["a@x.test"])
+    (only,) = result.recipients
+    assert (only.verdict, only.possible_duplicate, only.reply.code) == (Verdict.DEFER, True, 421)
+
+
+@pytest.mark.integration
+def test_a_slow_final_reply_is_waited_for() -> None:
+    # The server takes 2 s to answer the dot (a content scan).  With a DATA-termination
+    # timeout above that there is one copy, delivered.  With a short one for everything
+    # (aiosmtplib's style, scaled down), the same server would have been a timeout after it
+    # had the message: a deferral, and a second copy on retry.
+    slow = Faults(end_delay=2.0)
+    patient = Timeouts(greeting=1, ehlo=1, mail=1, rcpt=1, data_init=1, data_block=1, data_end=4)
+    result, server = against(slow, recipients=["a@x.example"], timeouts=patient)
+    assert result.recipients[0].verdict is Verdict.DONE
+    assert not result.possible_duplicate
+    assert len(server.payloads) == 1
+
+    hasty = Timeouts(greeting=1, ehlo=1, mail=1, rcpt=1, data_init=1, data_block=1, data_end=1)
+    result, server = against(slow, recipients=["a@x.example"], timeouts=hasty)
+    assert result.recipients[0].verdict is Verdict.DEFER
+    assert result.possible_duplicate
+    assert len(server.payloads) == 1  # ... although the server got it
+
+
+# --- fault server: STARTTLS ----------------------------------------------------------------
+
+
+@pytest.fixture
+def tls_server(tmp_path: Any) -> Iterator[tuple[ssl.SSLContext, str]]:
+    context, cert = self_signed_tls(tmp_path)
+    yield context, str(cert)
+
+
+def no_mail_sent(server: FaultServer) -> bool:
+    return all(b"MAIL FROM" not in s.raw.upper() for s in server.sessions)
+
+
+@pytest.mark.integration
+def test_opportunistic_tls_is_used_when_offered(tls_server: tuple[ssl.SSLContext, str]) -> None:
+    context, _ = tls_server
+    result, server = against(
+        Faults(starttls=True), context, recipients=["a@x.example"], tls=TlsPolicy.OPPORTUNISTIC
+    )
+    assert result.recipients[0].verdict is Verdict.DONE
+    assert result.tls and result.tls_fallback is None
+    (session,) = server.sessions
+    assert session.tls
+    assert server.verbs()[:4] == [b"EHLO", b"STARTTLS", b"EHLO", b"MAIL"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", [StartTls.REFUSE, StartTls.BREAK])
+def test_opportunistic_tls_falls_back_to_plaintext(
+    mode: StartTls, tls_server: tuple[ssl.SSLContext, str]
+) -> None:
+    context, _ = tls_server
+    faults = Faults(starttls=True, starttls_mode=mode)
+    result, server = against(
+        faults, context, recipients=["a@x.example"], tls=TlsPolicy.OPPORTUNISTIC
+    )
+    assert result.recipients[0].verdict is Verdict.DONE
+    assert not result.tls
+    assert result.tls_fallback is not None
+    first, second = server.sessions
+    assert b"MAIL" not in first.raw  # the failed session carried no mail
+    assert b"STARTTLS" not in second.raw and b"MAIL FROM:<" in second.raw
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("faults", "status"),
+    [
+        (Faults(starttls=False), EnhancedStatus(4, 7, 4)),
+        (Faults(starttls=True, starttls_mode=StartTls.REFUSE), EnhancedStatus(4, 7, 4)),
+        (Faults(starttls=True, starttls_mode=StartTls.BREAK), EnhancedStatus(4, 7, 5)),
+        (Faults(starttls=True), EnhancedStatus(4, 7, 5)),  # self-signed: verification fails
+    ],
+)
+def test_required_tls_never_sends_mail_in_plaintext(
+    faults: Faults, status: EnhancedStatus, tls_server: tuple[ssl.SSLContext, str]
+) -> None:
+    context, _ = tls_server
+    result, server = against(
+        faults, context, recipients=["a@x.example", "b@x.example"], tls=TlsPolicy.REQUIRED
+    )
+    assert {(r.verdict, r.stage, r.status) for r in result.recipients} == {
+        (Verdict.DEFER, Stage.STARTTLS, status)
+    }
+    assert len(server.sessions) == 1
+    assert no_mail_sent(server)
+
+
+@pytest.mark.integration
+def test_required_tls_with_a_trusted_certificate(tls_server: tuple[ssl.SSLContext, str]) -> None:
+    context, cert = tls_server
+    client = ssl.create_default_context(cafile=cert)
+    result, server = against(
+        Faults(starttls=True),
+        context,
+        recipients=["a@x.example"],
+        tls=TlsPolicy.REQUIRED,
+        tls_context=client,
+        tls_server_name="localhost",
+    )
+    assert result.recipients[0].verdict is Verdict.DONE
+    assert result.tls and server.sessions[0].tls
+
+
+# --- fault server: what goes on the wire ---------------------------------------------------
+
+
+@pytest.mark.integration
+def test_data_payload_has_only_crlf_and_short_lines() -> None:
+    body = (
+        b"Subject: nasty\n\n"
+        + b".leading dot\n..double\r.after bare CR\r\n"
+        + b"x" * 3000
+        + b"\n"
+        + b"smuggle\n.\nafter\r.\rend\r\n"
+        + b"y" * 2500
+    )
+    chunks = [body[i : i + 999] for i in range(0, len(body), 999)]
+    result, server = against(Faults(), recipients=["a@x.example"], body=lambda: chunks)
+    assert result.recipients[0].verdict is Verdict.DONE
+    (payload,) = server.payloads
+    assert server.stats.bare_cr_or_lf == 0
+    lines = payload.split(b"\r\n")
+    assert lines[-2:] == [b".", b""]
+    assert b"\r" not in b"".join(lines) and b"\n" not in b"".join(lines)
+    assert max(len(line) for line in lines) + 2 <= 1000
+    # Exactly the encoder's output for the whole body: chunking changed nothing.
+    assert payload == b"".join(dot_stuff([body]))
+
+
+@pytest.mark.integration
+def test_a_large_body_is_streamed_never_held_whole() -> None:
+    size = 20 * 1024 * 1024
+    line = b"0123456789" * 7 + b"\n"  # LF-only: the encoder rewrites every line
+    chunk = line * (65536 // len(line))
+    count = size // len(chunk)
+    streamed_before_end: list[int] = []
+    server_box: list[FaultServer] = []
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for i in range(count):
+            if i == count // 2 and server_box:
+                streamed_before_end.append(server_box[0].stats.octets)
+            yield chunk
+
+    async def main() -> tuple[Any, FaultServer, int]:
+        async with FaultServer(Faults(keep_payloads=False)) as server:
+            server_box.append(server)
+            tracemalloc.start()
+            try:
+                base = tracemalloc.get_traced_memory()[0]
+                result = await deliver(
+                    host=server.host,
+                    port=server.port,
+                    helo_name="client.example.org",
+                    sender=SENDER,
+                    recipients=["a@x.example"],
+                    body=chunks,
+                    tls=TlsPolicy.NONE,
+                    timeouts=FAST,
+                )
+                peak = tracemalloc.get_traced_memory()[1] - base
+            finally:
+                tracemalloc.stop()
+            return result, server, peak
+
+    result, server, peak = asyncio.run(main())
+    assert result.recipients[0].verdict is Verdict.DONE
+    assert server.stats.count == 1
+    assert server.stats.octets >= count * len(chunk)
+    assert server.stats.bare_cr_or_lf == 0
+    assert streamed_before_end and streamed_before_end[0] > 0  # on the wire while still reading
+    assert peak < count * len(chunk) // 10, f"peak growth {peak} bytes"
+
+
+@pytest.mark.integration
+def test_a_failing_body_source_defers_and_sends_no_dot() -> None:
+    def broken() -> Iterator[bytes]:
+        yield b"Subject: half\r\n\r\nfirst part\r\n"
+        raise OSError("chunk store unavailable")
+
+    result, server = against(Faults(), recipients=["a@x.example"], body=broken)
+    (only,) = result.recipients
+    assert (only.verdict, only.stage, only.status) == (
+        Verdict.DEFER,
+        Stage.DATA,
+        EnhancedStatus(4, 3, 0),
+    )
+    assert not only.possible_duplicate
+    assert server.stats.count == 0  # the server never saw the end of data
+
+
+@pytest.mark.integration
+def test_smtputf8_and_size_are_checked_before_sending() -> None:
+    result, server = against(
+        Faults(smtputf8=False), recipients=["ascii@x.example", "jörg@x.example"]
+    )
+    ascii_one, utf8_one = result.recipients
+    assert ascii_one.verdict is Verdict.DONE
+    assert (utf8_one.verdict, utf8_one.status) == (Verdict.BOUNCE, EnhancedStatus(5, 6, 7))
+
+    result, server = against(
+        Faults(smtputf8=True), recipients=["jörg@x.example"], options=MailOptions(size=10)
+    )
+    assert result.recipients[0].verdict is Verdict.DONE
+    mail = next(c for c in server.commands() if c.startswith(b"MAIL"))
+    assert mail.endswith(b" SMTPUTF8")
+    assert "jörg".encode() in next(c for c in server.commands() if c.startswith(b"RCPT"))
+
+    result, server = against(
+        Faults(size=1000), recipients=["a@x.example"], options=MailOptions(size=5000)
+    )
+    assert (result.recipients[0].verdict, result.recipients[0].status) == (
+        Verdict.BOUNCE,
+        EnhancedStatus(5, 3, 4),
+    )
+    assert b"MAIL" not in server.verbs()
