@@ -27,7 +27,8 @@ from pathlib import Path
 import dns.exception
 import dns.message
 import dns.query
-import pytest
+
+from tests.support.testbed import missing
 
 __all__ = ["Dnsmasq", "dnsmasq_binary", "free_port", "running_dnsmasq", "silent_udp_port"]
 
@@ -124,7 +125,7 @@ def running_dnsmasq(records: Sequence[str], directory: Path) -> Iterator[Dnsmasq
     """Start dnsmasq with ``records``; yield it once it answers; stop it by PID afterwards."""
     binary = dnsmasq_binary()
     if binary is None:
-        pytest.skip("dnsmasq is not installed (Debian/Ubuntu: apt-get install dnsmasq-base)")
+        missing("dnsmasq is not installed (Debian/Ubuntu: apt-get install dnsmasq-base)")
     directory.mkdir(parents=True, exist_ok=True)
     # A port found free can be taken before dnsmasq binds it; try a few times.
     for attempt in range(3):
