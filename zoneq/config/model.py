@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 import socket
 from pathlib import Path
-from typing import Annotated, Final, Self
+from typing import Annotated, Final, Literal, Self
 
 from pydantic import (
     AfterValidator,
@@ -145,6 +145,9 @@ class ServerConfig(_Section):
     data_dir: Annotated[Path, Field(strict=False)] = Path("data/queue")
     """The LevelDB queue directory; a relative path is relative to the working directory."""
 
+    ipc_socket: Annotated[Path, Field(strict=False)] = Path("data/zoneq.sock")
+    """The Unix socket the core serves its zone workers on (mode 0600)."""
+
     def resolved_hostname(self) -> str:
         """The configured hostname, or the machine's FQDN when none is configured.
 
@@ -259,6 +262,36 @@ def _max_age_problem(retry: str, max_age: str, exc: ValueError, whose: str = "")
     return str(exc)
 
 
+class DeliveryConfig(_Section):
+    """``[delivery]``: how zone workers reach the recipients' servers."""
+
+    mx_port: Annotated[int, Field(ge=1, le=65535)] = 25
+    """Port of the MX hosts (MX records carry none; tests use a high port on 127.0.0.x)."""
+
+    nameservers: list[str] = Field(default_factory=list)
+    """Resolver addresses for MX lookups; empty: the ones in /etc/resolv.conf at start-up."""
+
+    dns_port: Annotated[int, Field(ge=1, le=65535)] = 53
+    dns_timeout: Duration = "10s"
+    """How long one MX lookup may take, retries included; then the recipient is deferred."""
+
+    allow_loopback_mx: bool = False
+    """Let MX hosts resolve to loopback addresses (tests); otherwise that is a mail loop."""
+
+    tls: Literal["opportunistic", "required", "none"] = "opportunistic"
+    """STARTTLS policy: use when offered, insist (defer without it), or never."""
+
+    domain_connections: Annotated[int, Field(ge=1, le=10_000)] = 10
+    """Connections at once per destination domain, across all of a zone's workers."""
+
+    max_recipients: Annotated[int, Field(ge=1, le=1000)] = 50
+    """Recipients per SMTP transaction (Postfix's default is 50)."""
+
+    @property
+    def dns_timeout_s(self) -> float:
+        return parse_duration(self.dns_timeout) / 1000
+
+
 class RoutingConfig(_Section):
     """``[routing]``: which zone a message goes to when nothing else decides."""
 
@@ -297,6 +330,7 @@ class Config(_Section):
         Field(validate_default=True),
     ] = Field(default_factory=dict)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    delivery: DeliveryConfig = Field(default_factory=DeliveryConfig)
 
     @model_validator(mode="after")
     def _check_references(self) -> Self:

@@ -518,3 +518,11 @@ def _best_records(mx: Iterable[tuple[int, str]], limit: int) -> list[tuple[int, 
 
 def _first(record: tuple[int, str]) -> int:
     return record[0]
+
+
+def system_nameservers() -> list[str]:
+    """The resolvers named in the machine's /etc/resolv.conf (for a config that names none)."""
+    try:
+        return [str(server) for server in dns.resolver.Resolver(configure=True).nameservers]
+    except (dns.exception.DNSException, OSError):
+        return []
