@@ -10,6 +10,7 @@ from pathlib import Path
 
 from zoneq import __version__, runtime
 from zoneq.config import check_config, load_config
+from zoneq.delivery import worker
 from zoneq.errors import ConfigError, StoreLocked
 
 
@@ -20,11 +21,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"zoneq: configuration error:\n{exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(runtime.serve(config))
+        asyncio.run(runtime.serve(config, args.config))
     except StoreLocked as exc:
         print(f"zoneq: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"zoneq worker: configuration error:\n{exc}", file=sys.stderr)
+        return 2
+    if args.zone not in config.zones:
+        print(f"zoneq worker: no zone {args.zone!r} in the configuration", file=sys.stderr)
+        return 2
+    return asyncio.run(worker.run(config, args.zone, args.name))
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
@@ -48,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run zoneq (the built-in config unless --config)")
     serve.add_argument("--config", type=Path, default=None, help="a zones.toml file")
     serve.set_defaults(func=_cmd_serve)
+
+    work = sub.add_parser("worker", help="a zone worker (started by serve, not by hand)")
+    work.add_argument("--zone", required=True)
+    work.add_argument("--name", required=True)
+    work.add_argument("--config", type=Path, default=None)
+    work.set_defaults(func=_cmd_worker)
 
     check = sub.add_parser("check-config", help="validate a config file and name each problem")
     check.add_argument("config", type=Path, nargs="?", default=None)

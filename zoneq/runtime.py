@@ -1,10 +1,12 @@
 """The composition root: builds zoneq's parts from a config and runs them.
 
-What runs today is the core's storage side: the queue is opened (the directory's LevelDB
-lock keeps a second zoneq off it), recovered (leases from a previous run are gone, so every
-in-flight recipient is ready again; uncommitted chunks are swept), and maintained while the
-process lives: orphan sweeps, event retention and compaction of deleted ranges.  The SMTP
-receiver, the admin API and the zone workers attach here as they are built.
+``zoneq serve`` runs the core: the queue is opened (the directory's LevelDB lock keeps a
+second zoneq off it) and recovered (leases from a previous run are gone, so every in-flight
+recipient is ready again; uncommitted chunks are swept); the queue service serves the zone
+workers over the IPC socket; the supervisor starts ``processes`` workers per zone and
+restarts the ones that die; deferred recipients are promoted when due; and maintenance runs
+while the process lives (orphan sweeps, event retention, compaction, the disk reserve).
+The SMTP receiver and the admin API attach here as they are built.
 
 This is the one place that reads the wall clock for the queue: every store operation
 takes ``now_ms`` from here, so the store and the protocol core stay testable.
@@ -21,8 +23,12 @@ from pathlib import Path
 
 from zoneq.config import Config
 from zoneq.errors import StorageUnavailable
+from zoneq.ipc.core import QueueHandler
+from zoneq.ipc.server import IpcServer
+from zoneq.queue.service import QueueService
 from zoneq.storage.records import State
 from zoneq.storage.store import QueueStore
+from zoneq.supervisor import Supervisor
 
 log = logging.getLogger("zoneq")
 
@@ -72,8 +78,8 @@ async def maintain(store: QueueStore, config: Config) -> None:
         log.info("maintenance: swept %d orphan(s), trimmed %d event(s)", swept, trimmed)
 
 
-async def serve(config: Config) -> None:
-    """Run until SIGTERM or SIGINT, then close the store cleanly."""
+async def serve(config: Config, config_path: Path | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then stop the workers and close the store cleanly."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -81,6 +87,21 @@ async def serve(config: Config) -> None:
         loop.add_signal_handler(signum, stop.set)
     store = open_store(config)
     log.info("queue open at %s: %s", config.server.data_dir, describe(store))
+    service = QueueService(
+        store,
+        config,
+        hostname=config.server.resolved_hostname(),
+        clock=now_ms,
+        domain_connections=config.delivery.domain_connections,
+        max_recipients=config.delivery.max_recipients,
+    )
+    server = IpcServer(Path(config.server.ipc_socket), QueueHandler(service, set(config.zones)))
+    await server.start()
+    supervisor = Supervisor(
+        {name: zone.processes for name, zone in config.zones.items()}, config_path
+    )
+    await supervisor.start()
+    promoter = asyncio.create_task(service.run(stop))
     try:
         while not stop.is_set():
             await maintain(store, config)
@@ -88,4 +109,9 @@ async def serve(config: Config) -> None:
                 await asyncio.wait_for(stop.wait(), config.storage.sweep_interval_ms / 1000)
     finally:
         log.info("stopping: %s", describe(store))
+        await supervisor.stop()
+        await server.close()
+        promoter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await promoter
         await store.close()

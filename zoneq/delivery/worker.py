@@ -1,0 +1,137 @@
+"""A zone worker process: ``connections`` delivery loops serving one zone for the core.
+
+Each loop asks the core for a job (waiting for one if there is none), makes one delivery
+attempt (``attempt.py``) with the body fetched chunk by chunk over IPC, and reports one
+outcome per recipient.  The worker holds nothing durable: if it dies, the core returns its
+leases at once and the supervisor starts a new one.  SIGTERM stops it taking new jobs; the
+ones in hand finish and are reported, then it exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+from zoneq.config import Config
+from zoneq.delivery.attempt import Settings, attempt
+from zoneq.delivery.hostcache import DeadHostCache
+from zoneq.delivery.mx import MxResolver, system_nameservers
+from zoneq.delivery.transport import TlsPolicy
+from zoneq.errors import TemporaryFailure
+from zoneq.ipc.client import IpcClient
+from zoneq.ipc.messages import Hello, Job, Outcome, RecipientReport
+
+log = logging.getLogger("zoneq.worker")
+
+LEASE_WAIT_MS = 5_000
+
+
+def settings_for(config: Config, zone: str) -> Settings:
+    zone_config = config.zones[zone]
+    hostname = config.server.resolved_hostname()
+    return Settings(
+        helo_name=zone_config.ehlo_name or hostname,
+        port=config.delivery.mx_port,
+        ipv6=zone_config.ipv6,
+        tls=TlsPolicy(config.delivery.tls),
+    )
+
+
+def resolver_for(config: Config) -> MxResolver:
+    nameservers = config.delivery.nameservers or system_nameservers()
+    hostname = config.server.resolved_hostname()
+    return MxResolver(
+        nameservers=nameservers,
+        port=config.delivery.dns_port,
+        lifetime=config.delivery.dns_timeout_s,
+        timeout=min(5.0, config.delivery.dns_timeout_s),
+        clock=time.monotonic,
+        rng=random.Random(),
+        own_names={hostname},
+        allow_loopback=config.delivery.allow_loopback_mx,
+    )
+
+
+class Worker:
+    def __init__(self, config: Config, zone: str, client: IpcClient) -> None:
+        self._config = config
+        self._zone = zone
+        self._client = client
+        self._settings = settings_for(config, zone)
+        self._resolver = resolver_for(config)
+        self._dead_hosts = DeadHostCache(clock=time.monotonic)
+        self.stopping = asyncio.Event()
+
+    async def run(self) -> None:
+        loops = self._config.zones[self._zone].connections
+        tasks = [asyncio.create_task(self._loop(n)) for n in range(loops)]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _loop(self, number: int) -> None:
+        while not self.stopping.is_set():
+            try:
+                jobs = await self._client.lease(max_jobs=1, wait_ms=LEASE_WAIT_MS)
+            except TemporaryFailure as exc:
+                if self._client.closed:
+                    raise  # the core is gone: exit, the supervisor decides what next
+                log.warning("loop %d: lease failed: %s", number, exc)
+                await asyncio.sleep(1)
+                continue
+            for job in jobs:
+                reports = await self._deliver(job)
+                reply = await self._client.report(tuple(reports))
+                if reply.refused:
+                    log.warning(
+                        "core refused %d stale report(s) for %x", len(reply.refused), job.msg_id
+                    )
+
+    async def _deliver(self, job: Job) -> list[RecipientReport]:
+        try:
+            return await attempt(
+                job,
+                settings=self._settings,
+                resolver=self._resolver,
+                dead_hosts=self._dead_hosts,
+                body=lambda: self._client.iter_body(job),
+            )
+        except Exception as exc:  # a bug or a local fault must not lose the job
+            log.exception("delivery of %x to %s failed locally", job.msg_id, job.domain)
+            return [
+                RecipientReport(
+                    r.token,
+                    Outcome.DEFERRED,
+                    reply=f"451 4.3.0 local error: {type(exc).__name__}",
+                    enhanced="4.3.0",
+                )
+                for r in job.recipients
+            ]
+
+
+async def run(config: Config, zone: str, name: str) -> int:
+    """The worker's main: connect, deliver until SIGTERM or the core goes away."""
+    client = await IpcClient.connect(
+        Path(config.server.ipc_socket), Hello(zone=zone, worker=name, pid=os.getpid())
+    )
+    worker = Worker(config, zone, client)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, worker.stopping.set)
+    try:
+        await worker.run()
+    except TemporaryFailure as exc:
+        log.error("worker %s of zone %s: %s", name, zone, exc)
+        return 1
+    finally:
+        with contextlib.suppress(Exception):
+            await client.close()
+    return 0

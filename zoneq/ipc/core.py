@@ -1,0 +1,110 @@
+"""The core's side of IPC: the queue service served to zone workers.
+
+Translates between the wire messages (``messages.py``) and the queue service's values, so
+neither knows the other's types: the service stays testable without sockets, and the wire
+format can change without touching it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from zoneq.errors import ProtocolError
+from zoneq.ipc.messages import (
+    ChunkReply,
+    ChunkRequest,
+    Hello,
+    Job,
+    JobRecipient,
+    LeaseReply,
+    LeaseRequest,
+    Outcome,
+    Report,
+    ReportReply,
+    Welcome,
+)
+from zoneq.ipc.server import ConnectionInfo
+from zoneq.queue import service as queue
+
+_RESULT = {
+    Outcome.DELIVERED: queue.Result.DELIVERED,
+    Outcome.DEFERRED: queue.Result.DEFERRED,
+    Outcome.BOUNCED: queue.Result.BOUNCED,
+    Outcome.RETURNED: queue.Result.RETURNED,
+}
+
+# A worker's LEASE may wait at most this long, so a stuck request cannot pin a connection.
+MAX_WAIT_MS = 30_000
+
+
+class QueueHandler:
+    """``CoreHandler`` for ``IpcServer``, backed by a ``QueueService``."""
+
+    def __init__(self, service: queue.QueueService, zones: set[str]) -> None:
+        self._service = service
+        self._zones = zones
+
+    async def hello(self, conn: ConnectionInfo, msg: Hello) -> Welcome:
+        if msg.zone not in self._zones:
+            raise ProtocolError(f"no zone {msg.zone!r} is configured")
+        return Welcome(core_pid=os.getpid())
+
+    def _zone(self, conn: ConnectionInfo) -> str:
+        if conn.zone is None:
+            raise ProtocolError("HELLO first")
+        return conn.zone
+
+    async def lease(self, conn: ConnectionInfo, msg: LeaseRequest) -> LeaseReply:
+        jobs = await self._service.lease(
+            self._zone(conn), conn.owner, max(1, msg.max_jobs), min(msg.wait_ms, MAX_WAIT_MS)
+        )
+        return LeaseReply(jobs=tuple(_job(job) for job in jobs))
+
+    async def chunk(self, conn: ConnectionInfo, msg: ChunkRequest) -> ChunkReply:
+        self._zone(conn)
+        return ChunkReply(data=self._service.chunk(msg.msg_id, msg.index))
+
+    async def report(self, conn: ConnectionInfo, msg: Report) -> ReportReply:
+        self._zone(conn)
+        outcomes = [
+            queue.RecipientOutcome(
+                token=item.token,
+                result=_RESULT[item.outcome],
+                reply=item.reply,
+                code=item.code,
+                enhanced=item.enhanced,
+                mx=item.mx,
+                source_ip=item.source_ip,
+                possible_duplicate=item.possible_duplicate,
+            )
+            for item in msg.results
+        ]
+        accepted, refused = await self._service.report(conn.owner, outcomes)
+        return ReportReply(accepted=tuple(accepted), refused=tuple(refused))
+
+    def disconnected(self, conn: ConnectionInfo) -> None:
+        self._service.disconnected(conn.owner)
+
+
+def _job(job: queue.Job) -> Job:
+    return Job(
+        msg_id=job.msg_id,
+        sender=job.sender,
+        size=job.size,
+        chunks=job.chunks,
+        domain=job.domain,
+        envid=job.envid,
+        ret=job.ret,
+        smtputf8=job.smtputf8,
+        body_8bit=job.body_8bit,
+        recipients=tuple(
+            JobRecipient(
+                token=r.token,
+                address=r.address,
+                notify=r.notify,
+                orcpt=r.orcpt,
+                attempts=r.attempts,
+            )
+            for r in job.recipients
+        ),
+    )
