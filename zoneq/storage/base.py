@@ -259,8 +259,10 @@ class StoreBase:
             self.quarantined.append(error)
 
     def _event_op(self, event: Event) -> Op:
-        event_id = self._event_ids.next(event.time_ms)
-        return (keys.event(event_id), msgpack.packb(event.to_record()))
+        return self._event_record_op(event.time_ms, event.to_record())
+
+    def _event_record_op(self, time_ms: int, record: dict[str, object]) -> Op:
+        return (keys.event(self._event_ids.next(time_ms)), msgpack.packb(record))
 
     def _outcome_event(
         self, kind: EventKind, record: Recipient, now_ms: int, outcome: Outcome

@@ -11,6 +11,7 @@ quarantines that record and goes on with the rest.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
@@ -113,6 +114,14 @@ class Recipient:
             last_reply=reply,
             next_attempt_ms=next_attempt_ms,
         )
+
+
+@functools.lru_cache(maxsize=4096)
+def new_record_value(domain: str, notify: tuple[str, ...], orcpt: str | None) -> bytes:
+    """The value of a recipient's record at commit (no attempts yet): it depends only on
+    these, so it is encoded once and shared; on the commit path this was a dataclass and an
+    encode per recipient."""
+    return Recipient("", 0, "", domain, notify=notify, orcpt=orcpt).encode()
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,12 +34,13 @@ database for writes.  Reads go through the writer's overlay so they see staged w
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from zoneq.errors import LeaseError
-from zoneq.protocol.events import Event, EventKind
+from zoneq.protocol.events import EventKind, event_record
 from zoneq.protocol.ids import format_id, id_time_ms
 from zoneq.storage import keys
 from zoneq.storage.admin import AdminMixin
@@ -54,6 +55,7 @@ from zoneq.storage.records import (
     Recipient,
     State,
     encode_head,
+    new_record_value,
 )
 from zoneq.storage.space import SpaceGuard
 from zoneq.storage.writer import GroupWriter
@@ -103,18 +105,23 @@ class QueueStore(AdminMixin, MaintenanceMixin):
             self._receiving[msg_id] = index + 1
         await self._writer.submit(ops, sync=False)
 
-    async def commit(
+    def commit(
         self,
         meta: MessageMeta,
         recipients: Sequence[NewRecipient],
         now_ms: int,
         *,
         tail: bytes | None = None,
-    ) -> None:
-        """Make a received message and its recipients durable; return only when synced.
+    ) -> asyncio.Future[None]:
+        """Stage a received message and its recipients; await the result: it resolves once
+        they are durable (synced), and only then may the client be told 250.
 
         ``tail`` is the last body chunk (index ``meta.chunks - 1``) if the caller has not
         written it yet: a message that fits in one chunk then costs one batch, not two.
+        A plain function returning the writer's future, not a coroutine: this is the
+        busiest path, and the frame was measurable.  If it fails (raising here or in the
+        future), the message is still being received: the caller abandons it and answers
+        4xx.
         """
         self._check()
         self.space.admit()
@@ -122,10 +129,16 @@ class QueueStore(AdminMixin, MaintenanceMixin):
         if tail is not None:
             ops.append((keys.message_chunk(meta.msg_id, meta.chunks - 1), tail))
         ops.append((keys.receiving(meta.msg_id), None))
-        try:
-            await self._writer.submit(ops, sync=self.sync_commits, effect=self._readied(ready))
-        finally:
-            self._receiving.pop(meta.msg_id, None)
+        msg_id = meta.msg_id
+
+        def landed() -> None:
+            self._receiving.pop(msg_id, None)
+            for zone, key in ready.items():
+                self._cursor_back(zone, key)
+
+        # Not visible before it is durable: nothing reads a message being committed (it
+        # becomes leasable only once it has landed).
+        return self._writer.submit(ops, sync=self.sync_commits, effect=landed, visible=False)
 
     async def abandon(self, msg_id: int) -> None:
         """The client went away mid-DATA (or the message was refused): remove its chunks."""
@@ -155,8 +168,6 @@ class QueueStore(AdminMixin, MaintenanceMixin):
         text = keys.text
         # Per zone: the key prefix of this message, and recipients per domain.
         zones: dict[str, tuple[bytes, dict[str, int]]] = {}
-        plain: dict[str, bytes] = {}  # record value by domain, for recipients without DSN args
-        shaped: dict[tuple[str, tuple[str, ...], str | None], bytes] = {}
         seen: set[bytes] = set()
         last_zone: str | None = None
         prefix = b""
@@ -176,18 +187,7 @@ class QueueStore(AdminMixin, MaintenanceMixin):
             seen.add(key)
             _, at, domain = address.rpartition("@")  # records.recipient_domain, inlined
             domain = domain.lower() if at else ""
-            if not rcpt.notify and rcpt.orcpt is None:
-                value = plain.get(domain)
-                if value is None:
-                    value = plain[domain] = Recipient(zone, msg_id, address, domain).encode()
-            else:
-                shape = (domain, rcpt.notify, rcpt.orcpt)
-                value = shaped.get(shape)
-                if value is None:
-                    value = shaped[shape] = Recipient(
-                        zone, msg_id, address, domain, notify=rcpt.notify, orcpt=rcpt.orcpt
-                    ).encode()
-            append((key, value))
+            append((key, new_record_value(domain, rcpt.notify, rcpt.orcpt)))
             domains[domain] = domains.get(domain, 0) + 1
         ops.extend(self._accepted_ops(meta, now_ms, zones))
         self._counters.add(MESSAGES, 1)
@@ -211,18 +211,18 @@ class QueueStore(AdminMixin, MaintenanceMixin):
                 add(domain_key(zone, domain, READY_STATE), n)
                 total += n
             add(zone_key(zone, READY_STATE), total)
-            event = Event(
+            record = event_record(
                 EventKind.ACCEPTED,
                 now_ms,
                 zone,
                 mid,
-                "",
-                "",
-                queued_at,
+                recipient="",
+                domain="",
+                queued_at_ms=queued_at,
                 size=meta.size,
                 recipients=total,
             )
-            ops.append(self._event_op(event))
+            ops.append(self._event_record_op(now_ms, record))
         return ops
 
     def lease(

@@ -15,7 +15,9 @@ message's last recipient must know the previous one is gone).  So every staged w
 kept in an in-memory *overlay* until its group lands; :meth:`read` looks there first.  Range
 scans read the database and consult :meth:`pending` for each key they meet: a staged delete
 hides a record at once, while a staged insert becomes visible to scans only once durable,
-which is what a queue wants (nothing is leased before it is safe on disk).
+which is what a queue wants (nothing is leased before it is safe on disk).  A commit's
+writes are kept out of the overlay altogether: they are all new keys, and nobody has the
+message's id before the commit returns, so nothing needs to read them early.
 
 *Effects* are callbacks run on the event loop after their group is durable, in group order
 (for example: move a zone's low-water mark back to a newly ready record).
@@ -39,11 +41,12 @@ _MISSING = object()
 
 
 class _Group:
-    __slots__ = ("effects", "ops", "seq", "sync", "waiters")
+    __slots__ = ("effects", "ops", "seq", "staged", "sync", "waiters")
 
     def __init__(self, seq: int) -> None:
         self.seq = seq
         self.ops: list[Op] = []
+        self.staged: list[bytes] = []  # the keys this group put in the overlay
         self.sync = False
         self.effects: list[Callable[[], None]] = []
         self.waiters: list[asyncio.Future[None]] = []
@@ -91,17 +94,30 @@ class GroupWriter:
     # --- writes ---------------------------------------------------------------------------
 
     def submit(
-        self, ops: Sequence[Op], *, sync: bool, effect: Callable[[], None] | None = None
+        self,
+        ops: Sequence[Op],
+        *,
+        sync: bool,
+        effect: Callable[[], None] | None = None,
+        visible: bool = True,
     ) -> asyncio.Future[None]:
-        """Stage ``ops`` as one atomic transition; the future resolves once it is durable."""
+        """Stage ``ops`` as one atomic transition; the future resolves once it is durable.
+
+        ``visible=False`` leaves them out of the overlay: for writes of keys nothing may read
+        before they are durable (a commit's new message), which saves the overlay's upkeep
+        on the busiest path.
+        """
         if self._failed is not None:
             raise self._failed
         loop = asyncio.get_running_loop()
         group = self._open
-        seq = group.seq
-        overlay = self._overlay
-        for key, value in ops:
-            overlay[key] = (value, seq)
+        if visible:
+            seq = group.seq
+            overlay = self._overlay
+            staged = group.staged
+            for key, value in ops:
+                overlay[key] = (value, seq)
+                staged.append(key)
         group.ops.extend(ops)
         if sync:
             group.sync = True
@@ -133,7 +149,7 @@ class GroupWriter:
                     effect()
                 overlay = self._overlay
                 seq = group.seq
-                for key, _ in group.ops:
+                for key in group.staged:
                     entry = overlay.get(key)
                     if entry is not None and entry[1] == seq:
                         del overlay[key]
