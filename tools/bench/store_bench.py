@@ -28,14 +28,14 @@ from pathlib import Path
 import msgpack
 import plyvel
 
-from zoneq.protocol.events import Event, EventKind
+from zoneq.protocol.events import EventKind, event_record
 from zoneq.protocol.ids import format_id
 from zoneq.storage import keys
 from zoneq.storage.records import (
     MessageMeta,
     NewRecipient,
-    Recipient,
     encode_head,
+    new_record_value,
     recipient_domain,
 )
 from zoneq.storage.store import Outcome, QueueStore
@@ -84,7 +84,8 @@ def raw_enqueue(path: Path, messages: int, *, prebuilt: bool) -> float:
 
     ``prebuilt``: keys and values are made before the clock starts (plyvel's own ceiling);
     otherwise they are made in the loop with the same encoders, which any LevelDB queue in
-    Python has to do, and no queue logic, no asyncio and no fsync is added.
+    Python has to do (the same encoders the store uses), and no queue logic, no asyncio and
+    no fsync is added.
     """
 
     def build(n: int, base: int) -> list[tuple[bytes, bytes]]:
@@ -92,16 +93,25 @@ def raw_enqueue(path: Path, messages: int, *, prebuilt: bool) -> float:
         address = f"user{n}@dest{n % 100}.test"
         domain = recipient_domain(address)
         t = now_ms()
-        event = Event(EventKind.ACCEPTED, t, "default", format_id(msg_id), "", "", t, size=1024)
+        event = event_record(
+            EventKind.ACCEPTED,
+            t,
+            "default",
+            format_id(msg_id),
+            recipient="",
+            domain="",
+            queued_at_ms=t,
+            size=1024,
+        )
         return [
             (keys.message_chunk(msg_id, 0), BODY),
             (keys.message_head(msg_id), encode_head(t, 1)),
             (keys.message_meta(msg_id), meta_for(msg_id).encode()),
             (
                 keys.record(keys.READY, "default", msg_id, address),
-                Recipient("default", msg_id, address, domain).encode(),
+                new_record_value(domain, (), None),
             ),
-            (keys.event(base + n), msgpack.packb(event.to_record())),
+            (keys.event(base + n), msgpack.packb(event)),
         ]
 
     base = now_ms() << 12
