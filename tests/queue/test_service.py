@@ -277,3 +277,71 @@ async def test_bulk_message_to_many_domains_respects_every_domain_limit(
         handed.clear()
     assert store.message_count() == 0
     await assert_consistent(store)
+
+
+@async_test
+async def test_one_delay_notice_after_the_warning_time_when_notify_asks(
+    store: QueueStore,
+) -> None:
+    clock = Clock()
+    service = service_for(store, clock)
+    await queue_message(
+        store,
+        [
+            NewRecipient("wants@slow.test", Z, notify=("DELAY", "FAILURE")),
+            NewRecipient("default@slow.test", Z),  # no NOTIFY: no delay notices (RFC 3461 4.1)
+        ],
+    )
+    (job,) = await service.lease(Z, "w1")
+    clock.now = T0 + 60 * MINUTE  # before the 4h warning time: nothing yet
+    await service.report(
+        "w1", outcome(job, Result.DEFERRED, reply="451 4.4.1 busy", enhanced="4.4.1")
+    )
+    assert store.count(BOUNCES, State.READY) == 0
+    clock.now = T0 + 5 * 60 * MINUTE
+    await service.promote_due()
+    (job,) = await service.lease(Z, "w1")
+    await service.report(
+        "w1", outcome(job, Result.DEFERRED, reply="451 4.4.1 busy", enhanced="4.4.1")
+    )
+    assert store.count(BOUNCES, State.READY) == 1
+    report = dsn_of(store)
+    assert report["Subject"].startswith("Delayed Mail")
+    status = report.get_payload()[1].get_payload()  # type: ignore[index,union-attr]
+    blocks = [block for block in status[1:] if block["Final-Recipient"]]
+    assert [b["Final-Recipient"] for b in blocks] == ["rfc822; wants@slow.test"]
+    assert blocks[0]["Action"] == "delayed"
+    assert blocks[0]["Will-Retry-Until"]
+    assert [e.kind.value for _, e in store.events()].count("delayed") == 1
+    # Deferred again later: the notice was sent once, not again.
+    clock.now = T0 + 10 * 60 * MINUTE
+    await service.promote_due()
+    (job,) = await service.lease(Z, "w1")
+    await service.report(
+        "w1", outcome(job, Result.DEFERRED, reply="451 4.4.1 busy", enhanced="4.4.1")
+    )
+    assert store.count(BOUNCES, State.READY) == 1
+    await assert_consistent(store)
+
+
+@async_test
+async def test_a_possible_duplicate_is_logged(
+    store: QueueStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    service = service_for(store, Clock())
+    await queue_message(store, [("a@one.test", Z)])
+    (job,) = await service.lease(Z, "w1")
+    with caplog.at_level("WARNING", logger="zoneq.queue"):
+        await service.report(
+            "w1",
+            outcome(
+                job,
+                Result.DEFERRED,
+                reply="no reply after the final dot",
+                mx="mx.one.test",
+                possible_duplicate=True,
+            ),
+        )
+    assert "possible duplicate" in caplog.text and "a@one.test" in caplog.text
+    (event,) = [e for _, e in store.events() if e.kind.value == "deferred"]
+    assert event.possible_duplicate

@@ -1148,3 +1148,14 @@ async def test_drop_removes_a_message_with_a_corrupt_record(store: QueueStore) -
     await store.drain()
     assert message_keys(store, msg_id) == []
     assert store.database.get(bad_key) is None
+
+
+def test_a_record_written_before_the_delay_flag_still_decodes() -> None:
+    import msgpack
+
+    from zoneq.storage.records import Recipient
+
+    old = msgpack.packb([1, "example.org", 2, 10, 20, 30, "451 busy", ["DELAY"], None, ""])
+    record = Recipient.decode(b"k", "z", 1, "a@example.org", old)
+    assert record.attempts == 2 and record.notify == ("DELAY",)
+    assert record.delay_notified is False

@@ -304,9 +304,17 @@ class RoutingConfig(_Section):
     bounce_max_age: Duration = BOUNCE_MAX_AGE
     """Max age of our own bounces; replaces the bounce zone's ``max_age`` for them."""
 
+    delay_warning: Duration = "4h"
+    """A recipient that asked for delay notices (RFC 3461 NOTIFY=DELAY) and is still queued
+    after this long gets one, once (Postfix's delay_warning_time)."""
+
     @property
     def bounce_max_age_ms(self) -> int:
         return parse_duration(self.bounce_max_age)
+
+    @property
+    def delay_warning_ms(self) -> int:
+        return parse_duration(self.delay_warning)
 
 
 def _no_zones_is_an_error(zones: dict[str, ZoneConfig]) -> dict[str, ZoneConfig]:

@@ -34,6 +34,7 @@ class Failure:
     diagnostic: str | None  # the remote reply, one line, e.g. "550 5.1.1 no such user"
     remote_mta: str | None
     action: Action = Action.FAILED
+    will_retry_until_ms: int | None = None  # for Action.DELAYED (RFC 3464 section 2.3.9)
 
 
 def wants_notice(meta: MessageMeta, failure: Failure) -> bool:
@@ -85,6 +86,11 @@ def compose(
                 diagnostic=f.diagnostic,
                 remote_mta=f.remote_mta,
                 last_attempt=now,
+                will_retry_until=(
+                    datetime.fromtimestamp(f.will_retry_until_ms / 1000, UTC)
+                    if f.will_retry_until_ms is not None
+                    else None
+                ),
             )
             for f in wanted
         ),

@@ -33,6 +33,7 @@ from typing import Final
 
 from zoneq.config import Config
 from zoneq.errors import LeaseError, NotFound
+from zoneq.protocol.dsn import Action
 from zoneq.protocol.ids import id_time_ms
 from zoneq.protocol.retry import RetrySchedule
 from zoneq.queue.bounces import FULL_RETURN_LIMIT, HEADER_LIMIT, Failure, compose
@@ -289,6 +290,17 @@ class QueueService:
                 refused.append(item.token)
                 continue
             lease = self._finish(item.token)
+            if item.possible_duplicate:
+                # RFC 1047: the message went out whole but no final reply came back, so the
+                # remote may have it; a retry can deliver a second copy.  Logged so that a
+                # duplicate can be explained (the event carries the flag too).
+                log.warning(
+                    "possible duplicate: %016x to %s via %s (%s); retried later",
+                    lease.recipient.msg_id,
+                    lease.recipient.address,
+                    item.mx or "?",
+                    item.reply or "no reply after the final dot",
+                )
             outcome = Outcome(
                 reply=item.reply,
                 code=item.code,
@@ -308,7 +320,8 @@ class QueueService:
             elif item.result is Result.DEFERRED:
                 next_at = self._next_attempt(lease, now)
                 if next_at is not None:
-                    defer = self._store.defer(lease, now, next_at, outcome)
+                    notice = self._delay_notice(lease, item, now)
+                    defer = self._store.defer(lease, now, next_at, outcome, delay_notice=notice)
                     work.append(_guarded(item.token, defer))
                 else:
                     # The last temporary status stands (as Postfix reports it): X.4.7 and
@@ -336,6 +349,37 @@ class QueueService:
         record = lease.recipient
         schedule = self._zone(record.zone).schedule
         return schedule.next_attempt(record.attempts + 1, id_time_ms(record.msg_id), now)
+
+    def _delay_notice(self, lease: Lease, item: RecipientOutcome, now: int) -> Notice | None:
+        """The NOTIFY=DELAY notice this deferral owes the sender, if any (one per recipient,
+        once it has waited ``routing.delay_warning``; RFC 3461 section 4.1)."""
+        record = lease.recipient
+        if record.delay_notified or "DELAY" not in {n.upper() for n in record.notify}:
+            return None
+        queued_at = id_time_ms(record.msg_id)
+        if now - queued_at < self._config.routing.delay_warning_ms:
+            return None
+        try:
+            meta = self._store.message(record.msg_id)
+        except NotFound:
+            return None
+        failure = Failure(
+            record,
+            status=item.enhanced or "4.0.0",
+            diagnostic=item.reply or None,
+            remote_mta=item.mx,
+            action=Action.DELAYED,
+            will_retry_until_ms=self._zone(record.zone).schedule.expires_at(queued_at),
+        )
+        return compose(
+            meta,
+            [failure],
+            original_start=self._original_start(meta),
+            original_full=None,  # a delay notice returns the headers only
+            reporting_mta=self._hostname,
+            bounce_zone=self._config.routing.bounce_zone,
+            now_ms=now,
+        )
 
     def _bounce(
         self, msg_id: int, group: list[tuple[int, Lease, Failure, Outcome, bool]], now: int

@@ -64,6 +64,8 @@ class Recipient:
     notify: tuple[str, ...] = ()
     orcpt: str | None = None
     hold_reason: str = ""
+    # RFC 3461 NOTIFY=DELAY: a delay notice went to the sender already (one per recipient).
+    delay_notified: bool = False
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -78,6 +80,7 @@ class Recipient:
                 list(self.notify),
                 self.orcpt,
                 self.hold_reason,
+                self.delay_notified,
             ]
         )
 
@@ -87,7 +90,9 @@ class Recipient:
             items = msgpack.unpackb(value)
             if not isinstance(items, list) or items[0] != RECORD_VERSION:
                 raise ValueError(f"unknown record format {items[:1]!r}")
-            _, domain, attempts, first, last, nxt, reply, notify, orcpt, hold = items
+            _, domain, attempts, first, last, nxt, reply, notify, orcpt, hold = items[:10]
+            # Records written before the delay flag existed have ten elements.
+            notified = bool(items[10]) if len(items) > 10 else False
             return cls(
                 zone=zone,
                 msg_id=msg_id,
@@ -101,6 +106,7 @@ class Recipient:
                 notify=tuple(str(n) for n in notify),
                 orcpt=None if orcpt is None else str(orcpt),
                 hold_reason=str(hold),
+                delay_notified=notified,
             )
         except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
             raise StorageCorruption(key, str(exc)) from exc

@@ -312,18 +312,40 @@ class QueueStore(AdminMixin, MaintenanceMixin):
         await self._writer.submit(ops, sync=False)
 
     async def defer(
-        self, lease: Lease, now_ms: int, next_attempt_ms: int, outcome: Outcome
+        self,
+        lease: Lease,
+        now_ms: int,
+        next_attempt_ms: int,
+        outcome: Outcome,
+        *,
+        delay_notice: Notice | None = None,
     ) -> None:
-        """A temporary failure: wait in ``deferred`` until ``next_attempt_ms``."""
+        """A temporary failure: wait in ``deferred`` until ``next_attempt_ms``.
+
+        ``delay_notice``: an RFC 3461 NOTIFY=DELAY notice to queue in the same batch; the
+        record then remembers it was sent, so a recipient gets at most one.
+        """
         self._check()
         self._take(lease)
         record = lease.recipient.after_attempt(now_ms, outcome.reply, next_attempt_ms)
+        if delay_notice is not None:
+            record = replace(record, delay_notified=True)
         ops: list[Op] = [(lease.key, None)]
         ops.extend(self._defer_ops(record))
         ops.append(self._outcome_event(EventKind.DEFERRED, record, now_ms, outcome))
         self._counters.move(record.zone, record.domain, State.READY, State.DEFERRED)
         due_key = keys.due(record.zone, next_attempt_ms, record.msg_id, record.address)
-        await self._writer.submit(ops, sync=False, effect=self._due_back(record.zone, due_key))
+        effects = [self._due_back(record.zone, due_key)]
+        if delay_notice is not None:
+            notice_ops, ready = self._notice_ops(delay_notice, now_ms)
+            ops.extend(notice_ops)
+            ops.append(self._outcome_event(EventKind.DELAYED, record, now_ms, outcome))
+            effects.append(self._readied(ready))
+        await self._writer.submit(
+            ops,
+            sync=delay_notice is not None,
+            effect=_all(effects) if len(effects) > 1 else effects[0],
+        )
 
     async def bounce(
         self,
@@ -431,6 +453,14 @@ class QueueStore(AdminMixin, MaintenanceMixin):
 def new_recipients(addresses: Iterable[tuple[str, str]]) -> tuple[NewRecipient, ...]:
     """``(address, zone)`` pairs as commit input (tests and tools)."""
     return tuple(NewRecipient(address=a, zone=z) for a, z in addresses)
+
+
+def _all(effects: Sequence[Callable[[], None]]) -> Callable[[], None]:
+    def run() -> None:
+        for effect in effects:
+            effect()
+
+    return run
 
 
 __all__ = ["Lease", "Outcome", "QueueStore", "QueuedRecipient", "new_recipients"]
