@@ -77,10 +77,29 @@ class Worker:
             for task in tasks:
                 task.cancel()
 
+    async def _lease(self) -> tuple[Job, ...]:
+        """Wait for a job, or for SIGTERM: a stopping worker does not sit out a lease wait.
+
+        Cancelling the request is safe: jobs the core grants to a cancelled lease are given
+        back to it as RETURNED by the IPC client.
+        """
+        lease = asyncio.ensure_future(self._client.lease(max_jobs=1, wait_ms=LEASE_WAIT_MS))
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait((lease, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not lease.done():
+            lease.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await lease
+            return ()
+        return lease.result()
+
     async def _loop(self, number: int) -> None:
         while not self.stopping.is_set():
             try:
-                jobs = await self._client.lease(max_jobs=1, wait_ms=LEASE_WAIT_MS)
+                jobs = await self._lease()
             except TemporaryFailure as exc:
                 if self._client.closed:
                     raise  # the core is gone: exit, the supervisor decides what next
