@@ -18,6 +18,7 @@ from zoneq.storage.records import (
     State,
     recipient_domain,
 )
+from zoneq.storage.writer import GroupWriter
 
 
 class AdminMixin(StoreBase):
@@ -44,11 +45,17 @@ class AdminMixin(StoreBase):
 
     def body(self, msg_id: int) -> Iterator[bytes]:
         """The stored body, chunk by chunk (never the whole message in memory)."""
-        for _, value in self._db.items(prefix=keys.chunk_prefix(msg_id)):
+        for _, value in self._db.items(prefix=keys.chunk_prefix(msg_id), fill_cache=False):
             yield value
 
     def chunk(self, msg_id: int, index: int) -> bytes:
-        value = self._writer.read(keys.message_chunk(msg_id, index))
+        """One body chunk, read past the block cache (each is read once per delivery)."""
+        key = keys.message_chunk(msg_id, index)
+        staged = self._writer.pending(key)
+        if staged is GroupWriter.MISSING:
+            value = self._db.get(key, fill_cache=False)
+        else:
+            value = staged if isinstance(staged, bytes) else None
         if value is None:
             raise NotFound(f"message {format_id(msg_id)} has no chunk {index}")
         return value

@@ -84,9 +84,12 @@ class Database:
             raise StorageUnavailable(f"the queue database {self.path} is not open")
         return self._db
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes, *, fill_cache: bool = True) -> bytes | None:
+        """The value at ``key``; ``fill_cache=False`` for data read once (message bodies),
+        which would otherwise push the queue's index blocks out of LevelDB's block cache and
+        grow the process by the cache's size for nothing."""
         try:
-            value: bytes | None = self._handle().get(key)
+            value: bytes | None = self._handle().get(key, fill_cache=fill_cache)
         except plyvel.Error as exc:
             raise StorageUnavailable(f"read failed: {_text(exc)}") from exc
         return value
@@ -118,10 +121,17 @@ class Database:
         stop: bytes | None = None,
         reverse: bool = False,
         snapshot: Any = None,
+        fill_cache: bool = True,
     ) -> Iterator[tuple[bytes, bytes]]:
         """Key/value pairs in order; ``start`` inclusive, ``stop`` exclusive."""
         it: Iterator[tuple[bytes, bytes]] = self._iterator(
-            prefix, start, stop, reverse=reverse, snapshot=snapshot, include_value=True
+            prefix,
+            start,
+            stop,
+            reverse=reverse,
+            snapshot=snapshot,
+            include_value=True,
+            fill_cache=fill_cache,
         )
         return it
 
@@ -147,11 +157,13 @@ class Database:
         reverse: bool,
         snapshot: Any,
         include_value: bool,
+        fill_cache: bool = True,
     ) -> Any:
         source = snapshot if snapshot is not None else self._handle()
+        common = {"reverse": reverse, "include_value": include_value, "fill_cache": fill_cache}
         if prefix is not None:
-            return source.iterator(prefix=prefix, reverse=reverse, include_value=include_value)
-        return source.iterator(start=start, stop=stop, reverse=reverse, include_value=include_value)
+            return source.iterator(prefix=prefix, **common)
+        return source.iterator(start=start, stop=stop, **common)
 
     def first_key(self, start: bytes, stop: bytes | None) -> bytes | None:
         """The first key in ``[start, stop)``: one seek."""
