@@ -196,3 +196,21 @@ async def test_a_worker_killed_mid_delivery_loses_nothing(bed: Bed) -> None:
         assert len(delivered) == 1
         copies = slow.messages(1, timeout=5)
         assert 1 <= len(copies) <= 2  # the RFC 1047 window: at most one extra copy
+
+
+@async_test
+async def test_a_final_reply_after_90_seconds_is_one_copy_with_the_default_timeouts(
+    bed: Bed,
+) -> None:
+    """RFC 5321 4.5.3.2.6 gives the reply after the dot 10 minutes; aiosmtplib's default of
+    60 s would give up on this server after it had the message, and the retry would
+    deliver a second copy.  The workers here run with zoneq's default timeouts."""
+    with run_smtp_sink("-W", ".:90", host=bed.sink.host) as slow:
+        bed = Bed(slow, bed.dns, bed.dead_ip, bed.directory)
+        async with running_core(write_config(bed, connections=1)) as core:
+            await queue(core.store, ["patient@ok.test"])
+            await until_empty(core.store, timeout=150)
+            kinds = [e.kind.value for _, e in core.store.events()]
+        assert kinds.count("delivered") == 1
+        assert "deferred" not in kinds
+        assert len(slow.messages(1, timeout=5)) == 1
