@@ -25,6 +25,7 @@ from zoneq.delivery.results import RecipientResult, TransactionResult
 from zoneq.delivery.transport import (
     RFC5321_TIMEOUTS,
     BodySource,
+    ConnectionCache,
     MailOptions,
     Recipient,
     Timeouts,
@@ -59,13 +60,24 @@ async def attempt(
     dead_hosts: DeadHostCache,
     body: BodySource,
     send: Send = deliver,
+    connections: ConnectionCache | None = None,
 ) -> list[RecipientReport]:
-    """Try to deliver ``job`` once; one report per recipient, in the job's order."""
+    """Try to deliver ``job`` once; one report per recipient, in the job's order.
+
+    ``connections``: kept SMTP connections to reuse (and to keep this attempt's in).
+    """
     mx = await resolver.resolve(job.domain, ipv6=settings.ipv6)
     if mx.kind is not MxKind.HOSTS:
         return _without_connection(job, mx)
     tokens = {r.address: r.token for r in job.recipients}
-    walk = _Walk(job, settings, dead_hosts, body, send)
+    walk = _Walk(
+        job,
+        settings=settings,
+        dead_hosts=dead_hosts,
+        body=body,
+        send=send,
+        connections=connections,
+    )
     await walk.run(mx)
     for rcpt in walk.pending:  # no host settled it: try again later
         seen = walk.last.get(rcpt.address)
@@ -87,8 +99,16 @@ class _Walk:
     """The walk over a job's MX hosts, address by address, until every recipient settles."""
 
     def __init__(
-        self, job: Job, settings: Settings, dead_hosts: DeadHostCache, body: BodySource, send: Send
+        self,
+        job: Job,
+        *,
+        settings: Settings,
+        dead_hosts: DeadHostCache,
+        body: BodySource,
+        send: Send,
+        connections: ConnectionCache | None,
     ) -> None:
+        self.connections = connections
         self.job = job
         self.settings = settings
         self.dead_hosts = dead_hosts
@@ -128,6 +148,7 @@ class _Walk:
             tls_server_name=host_name,
             timeouts=self.settings.timeouts,
             options=self.options,
+            cache=self.connections,
         )
         if result.peer is None:
             self.dead_hosts.mark_dead(address)

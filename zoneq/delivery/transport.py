@@ -51,6 +51,14 @@ new transaction on the same connection, reading the body again from ``body()``.
 
 PIPELINING (RFC 2920) is not used: one command, one reply, each with its own timeout, keeps
 the mapping from replies to recipients obvious.  It costs round trips, not correctness.
+
+Connection reuse: with a :class:`ConnectionCache`, a session that ended cleanly (its last
+transaction answered, nothing open) is kept instead of QUIT, and the next message to the same
+destination (host, port, source address, TLS policy and name, HELO name) starts with MAIL on
+it, as Postfix's connection cache does: no TCP handshake, greeting, EHLO or TLS handshake per
+message.  A kept connection the server closed while it was idle shows at the first MAIL (lost,
+or a 421): the session then opens a fresh connection and goes on as if new, so an idle
+timeout never sends recipients to the next MX host.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ import contextlib
 import enum
 import re
 import ssl
+import time
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -83,6 +92,8 @@ from zoneq.protocol.replies import (
 __all__ = [
     "RFC5321_TIMEOUTS",
     "BodySource",
+    "Connection",
+    "ConnectionCache",
     "MailOptions",
     "Recipient",
     "Timeouts",
@@ -250,7 +261,10 @@ class _Session:
         timeouts: Timeouts,
         options: MailOptions,
         max_line_length: int,
+        cache: ConnectionCache | None = None,
     ) -> None:
+        self.cache = cache
+        self.kept: Connection | None = None  # the cached connection this session runs on
         self.host = host
         self.port = port
         self.helo_name = helo_name
@@ -339,19 +353,93 @@ class _Session:
 
     async def run(self) -> TransactionResult:
         todo = self._check_syntax()
+        kept = False
         try:
             if todo:
-                await self._open()
-                todo = self._check_features(todo)
+                reused = self._adopt()
+                if not reused:
+                    await self._open()
+                ready = self._check_features(todo)
                 # Each extra transaction settles at least one recipient, so this ends.
-                while todo:
-                    todo = await self._transaction(todo)
-                await self._quit()
+                while ready:
+                    try:
+                        ready = await self._transaction(ready)
+                    except _Abort as abort:
+                        if not (reused and self._died_idle(abort)):
+                            raise
+                        # The kept connection was closed while idle: start afresh, once.
+                        reused = False
+                        ready = await self._reopen(ready)
+                    reused = False
+                kept = self._keep()
+                if not kept:
+                    await self._quit()
         except _Abort as abort:
             self._settle_rest(abort)
         finally:
-            self._close()
+            if not kept:
+                self._close()
         return self._result()
+
+    # --- reuse ----------------------------------------------------------------------------
+
+    def _key(self) -> tuple[str, int, str | None, str, str, str]:
+        return (
+            self.host,
+            self.port,
+            self.source_address,
+            self.tls_policy.value,
+            self.tls_server_name,
+            self.helo_name,
+        )
+
+    def _adopt(self) -> bool:
+        """Start on a cached connection to this destination, if one is waiting."""
+        if self.cache is None:
+            return False
+        kept = self.cache.take(self._key())
+        if kept is None:
+            return False
+        self.kept = kept
+        self.smtp = kept.smtp
+        self.extensions = dict(kept.extensions)
+        self.peer, self.local = kept.peer, kept.local
+        self.tls, self.tls_fallback = kept.tls, kept.tls_fallback
+        return True
+
+    def _died_idle(self, abort: _Abort) -> bool:
+        """Did the first MAIL on a kept connection find it closed (lost, or a 421)?"""
+        if self.transactions != 1 or abort.stage is not Stage.MAIL:
+            return False
+        return abort.reply is None or abort.reply.code == 421
+
+    async def _reopen(self, ready: list[int]) -> list[int]:
+        for index in ready:
+            self.results[index] = None  # a 421 at MAIL settled them: that was the idle close
+        self._close()
+        self.kept = None
+        self.transactions = 0
+        self.in_transaction = False
+        await self._open()
+        return self._check_features(ready)
+
+    def _keep(self) -> bool:
+        """Hand a cleanly ended connection to the cache instead of saying QUIT."""
+        if self.cache is None or self.smtp is None or not self.smtp.is_connected:
+            return False
+        if self.in_transaction:
+            return False
+        kept = self.kept or Connection(
+            smtp=self.smtp,
+            extensions=dict(self.extensions),
+            peer=self.peer,
+            local=self.local,
+            tls=self.tls,
+            tls_fallback=self.tls_fallback,
+            opened=self.cache.now(),
+        )
+        kept.messages += 1
+        return self.cache.put(self._key(), kept)
 
     def _check_syntax(self) -> list[int]:
         """Settle recipients whose address cannot be put in a command; return the others."""
@@ -753,6 +841,7 @@ async def deliver(
     timeouts: Timeouts = RFC5321_TIMEOUTS,
     options: MailOptions | None = None,
     max_line_length: int = DEFAULT_MAX_LINE_LENGTH,
+    cache: ConnectionCache | None = None,
 ) -> TransactionResult:
     """Deliver one message to ``recipients`` through the server at ``host``:``port``.
 
@@ -761,7 +850,8 @@ async def deliver(
     care of on the way out (``max_line_length``: see :class:`DotStuffer`).  ``source_address``
     binds the local end (IP pools).  ``tls_verify`` None means: verify the certificate for
     REQUIRED, not for OPPORTUNISTIC; ``tls_server_name`` is the name sent (SNI) and checked
-    (default ``host``); ``tls_context`` replaces both.
+    (default ``host``); ``tls_context`` replaces both.  ``cache``: take a kept connection to
+    this destination if there is one, and keep this one afterwards (see the module docstring).
 
     Returns a result per recipient, in order; never raises for anything the remote host does.
     Raises ValueError for arguments that cannot be sent (a HELO name with spaces, an ENVID or
@@ -785,5 +875,127 @@ async def deliver(
         timeouts=timeouts,
         options=options,
         max_line_length=max_line_length,
+        cache=cache,
     )
     return await session.run()
+
+
+@dataclass(eq=False)
+class Connection:
+    """An SMTP session between transactions, kept for the next message to its destination."""
+
+    smtp: aiosmtplib.SMTP
+    extensions: dict[str, str]
+    peer: str | None
+    local: str | None
+    tls: bool
+    tls_fallback: str | None
+    opened: float
+    messages: int = 0
+    idle_since: float = 0.0
+
+
+CacheKey = tuple[str, int, str | None, str, str, str]
+
+
+class ConnectionCache:
+    """Idle SMTP connections by destination (Postfix's ``smtp_connection_cache``).
+
+    A connection is kept at most ``idle_s`` seconds between messages (well inside the five
+    minutes a server may wait for a command, RFC 5321 section 4.5.3.2.7), at most ``max_age_s``
+    in all and for ``max_messages`` messages, and at most ``max_idle`` are kept.  Not safe
+    across event loops; one per worker process.
+    """
+
+    def __init__(
+        self,
+        *,
+        idle_s: float = 5.0,
+        max_age_s: float = 300.0,
+        max_messages: int = 100,
+        max_idle: int = 256,
+        quit_timeout: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._idle: dict[CacheKey, list[Connection]] = {}
+        self._idle_s = idle_s
+        self._max_age_s = max_age_s
+        self._max_messages = max_messages
+        self._max_idle = max_idle
+        self._quit_timeout = quit_timeout
+        self._clock = clock
+        self._closing: set[asyncio.Task[None]] = set()
+        self.reused = 0
+
+    def now(self) -> float:
+        return self._clock()
+
+    def __len__(self) -> int:
+        return sum(len(kept) for kept in self._idle.values())
+
+    def take(self, key: CacheKey) -> Connection | None:
+        """The most recently used idle connection to ``key`` that is still good."""
+        kept = self._idle.get(key)
+        now = self._clock()
+        while kept:
+            connection = kept.pop()
+            if not kept:
+                del self._idle[key]
+            if connection.smtp.is_connected and now - connection.idle_since <= self._idle_s:
+                self.reused += 1
+                return connection
+            self._retire(connection)
+            kept = self._idle.get(key)
+        return None
+
+    def put(self, key: CacheKey, connection: Connection) -> bool:
+        """Keep ``connection``; False if it has served its time (the caller says QUIT)."""
+        now = self._clock()
+        if (
+            connection.messages >= self._max_messages
+            or now - connection.opened >= self._max_age_s
+            or len(self) >= self._max_idle
+        ):
+            return False
+        connection.idle_since = now
+        self._idle.setdefault(key, []).append(connection)
+        return True
+
+    def prune(self) -> int:
+        """Say QUIT to connections idle too long (call now and then); how many."""
+        now = self._clock()
+        stale = 0
+        for key in list(self._idle):
+            keep = []
+            for connection in self._idle[key]:
+                if now - connection.idle_since > self._idle_s or not connection.smtp.is_connected:
+                    self._retire(connection)
+                    stale += 1
+                else:
+                    keep.append(connection)
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
+        return stale
+
+    def _retire(self, connection: Connection) -> None:
+        task = asyncio.ensure_future(self._quit(connection))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _quit(self, connection: Connection) -> None:
+        smtp = connection.smtp
+        if smtp.is_connected:
+            with contextlib.suppress(aiosmtplib.SMTPException, OSError):
+                await smtp.execute_command(b"QUIT", timeout=self._quit_timeout)
+        smtp.close()
+
+    async def close(self) -> None:
+        """QUIT every kept connection (at shutdown)."""
+        for kept in self._idle.values():
+            for connection in kept:
+                self._retire(connection)
+        self._idle.clear()
+        if self._closing:
+            await asyncio.wait(list(self._closing), timeout=self._quit_timeout + 1)

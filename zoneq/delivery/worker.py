@@ -22,7 +22,7 @@ from zoneq.config import Config
 from zoneq.delivery.attempt import Settings, attempt
 from zoneq.delivery.hostcache import DeadHostCache
 from zoneq.delivery.mx import MxResolver, system_nameservers
-from zoneq.delivery.transport import TlsPolicy
+from zoneq.delivery.transport import ConnectionCache, TlsPolicy
 from zoneq.errors import TemporaryFailure
 from zoneq.ipc.client import IpcClient
 from zoneq.ipc.messages import Hello, Job, Outcome, RecipientReport
@@ -66,16 +66,28 @@ class Worker:
         self._settings = settings_for(config, zone)
         self._resolver = resolver_for(config)
         self._dead_hosts = DeadHostCache(clock=time.monotonic)
+        # One cache for all of this worker's loops: a connection one loop finished with is
+        # the next loop's to reuse for the same destination.
+        self._connections = ConnectionCache()
         self.stopping = asyncio.Event()
 
     async def run(self) -> None:
         loops = self._config.zones[self._zone].connections
         tasks = [asyncio.create_task(self._loop(n)) for n in range(loops)]
+        pruner = asyncio.create_task(self._prune())
         try:
             await asyncio.gather(*tasks)
         finally:
             for task in tasks:
                 task.cancel()
+            pruner.cancel()
+            await self._connections.close()
+
+    async def _prune(self) -> None:
+        """QUIT kept connections that have idled too long (RFC 5321 4.1.1.10: say goodbye)."""
+        while True:
+            await asyncio.sleep(1.0)
+            self._connections.prune()
 
     async def _lease(self) -> tuple[Job, ...]:
         """Wait for a job, or for SIGTERM: a stopping worker does not sit out a lease wait.
@@ -122,6 +134,7 @@ class Worker:
                 resolver=self._resolver,
                 dead_hosts=self._dead_hosts,
                 body=lambda: self._client.iter_body(job),
+                connections=self._connections,
             )
         except Exception as exc:  # a bug or a local fault must not lose the job
             log.exception("delivery of %x to %s failed locally", job.msg_id, job.domain)
