@@ -288,3 +288,18 @@ def test_errors_map_to_kinds_and_back(
 
 def test_unknown_error_kind_is_still_a_zoneq_error() -> None:
     assert type(ErrorReply("from-the-future", "x").to_exception()) is ZoneqError
+
+
+def test_a_job_carries_an_inline_body_or_none() -> None:
+    from zoneq.ipc.messages import Job
+
+    with_body = Job(msg_id=1, sender="", size=3, chunks=1, domain="d", body=b"abc")
+    assert Job.from_wire(with_body.to_wire(), "job") == with_body
+    without = Job(msg_id=1, sender="", size=3, chunks=2, domain="d")
+    wire = without.to_wire()
+    assert Job.from_wire(wire, "job").body is None
+    del wire["body"]  # an older core does not send it
+    assert Job.from_wire(wire, "job").body is None
+    wire["body"] = "not bytes"
+    with pytest.raises(ProtocolError, match=r"job\.body"):
+        Job.from_wire(wire, "job")

@@ -345,3 +345,13 @@ async def test_a_possible_duplicate_is_logged(
     assert "possible duplicate" in caplog.text and "a@one.test" in caplog.text
     (event,) = [e for _, e in store.events() if e.kind.value == "deferred"]
     assert event.possible_duplicate
+
+
+@async_test
+async def test_a_one_chunk_body_travels_with_its_job(store: QueueStore) -> None:
+    service = service_for(store, Clock())
+    small = await queue_message(store, [("a@one.test", Z)], body=[b"all of it"])
+    large = await queue_message(store, [("b@two.test", Z)], body=[b"part 1", b"part 2"])
+    jobs = {job.msg_id: job for job in await service.lease(Z, "w1", max_jobs=2)}
+    assert jobs[small].body == b"all of it"
+    assert jobs[large].body is None  # fetched chunk by chunk by the worker

@@ -195,6 +195,9 @@ class IpcClient:
         """
         if job.chunks == 0:
             return
+        if job.body is not None and job.chunks == 1:
+            yield job.body  # it came with the job: no request
+            return
         fetch: asyncio.Task[bytes] = asyncio.create_task(self.chunk(job.msg_id, 0))
         try:
             for index in range(job.chunks):

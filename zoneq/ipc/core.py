@@ -88,6 +88,7 @@ class QueueHandler:
 
 def _job(job: queue.Job) -> Job:
     return Job(
+        body=job.body,
         msg_id=job.msg_id,
         sender=job.sender,
         size=job.size,

@@ -79,6 +79,7 @@ class Job:
     smtputf8: bool
     body_8bit: bool
     recipients: tuple[JobRecipient, ...]
+    body: bytes | None = None  # the whole body when it is one chunk: saves the worker a fetch
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +238,7 @@ class QueueService:
         for lease in planned.items:
             self._leases[lease.token] = (lease, job_id)
         return Job(
+            body=self._inline_body(meta),
             msg_id=meta.msg_id,
             sender=meta.sender,
             size=meta.size,
@@ -257,6 +259,15 @@ class QueueService:
                 for lease in planned.items
             ),
         )
+
+    def _inline_body(self, meta: MessageMeta) -> bytes | None:
+        """A one-chunk body travels with its job; a missing one is the worker's to find."""
+        if meta.chunks != 1:
+            return None
+        try:
+            return self._store.chunk(meta.msg_id, 0)
+        except NotFound:
+            return None
 
     def _finish(self, token: int) -> Lease:
         """Forget a reported token; free its job's slot once the job is fully reported."""
