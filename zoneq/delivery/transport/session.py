@@ -65,20 +65,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import re
 import ssl
-import time
-from collections.abc import AsyncGenerator, AsyncIterable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterable, Iterable, Sequence
 from typing import Final
 
 import aiosmtplib
 from aiosmtplib.protocol import SMTPProtocol
 
 from zoneq.delivery.results import RecipientResult, TransactionResult
+from zoneq.delivery.transport.cache import Connection, ConnectionCache
+from zoneq.delivery.transport.options import (
+    RFC5321_TIMEOUTS,
+    BodySource,
+    MailOptions,
+    Recipient,
+    Timeouts,
+    TlsPolicy,
+)
 from zoneq.errors import ProtocolError
-from zoneq.protocol.dsn import Notify, Ret
+from zoneq.protocol.dsn import Notify
 from zoneq.protocol.encoder import DEFAULT_MAX_LINE_LENGTH, DotStuffer
 from zoneq.protocol.replies import (
     EnhancedStatus,
@@ -88,96 +94,6 @@ from zoneq.protocol.replies import (
     classify,
     reply_from_text,
 )
-
-__all__ = [
-    "RFC5321_TIMEOUTS",
-    "BodySource",
-    "Connection",
-    "ConnectionCache",
-    "MailOptions",
-    "Recipient",
-    "Timeouts",
-    "TlsPolicy",
-    "deliver",
-]
-
-
-class TlsPolicy(enum.StrEnum):
-    """Whether to use STARTTLS (RFC 3207)."""
-
-    NONE = "none"
-    """Never: plaintext even when STARTTLS is offered."""
-    OPPORTUNISTIC = "opportunistic"
-    """When offered, without certificate checks; plaintext if it is not offered or fails."""
-    REQUIRED = "required"
-    """Always, certificate checked by default; no TLS means DEFER, nothing sent in plaintext."""
-
-
-@dataclass(frozen=True, slots=True)
-class Timeouts:
-    """Seconds to wait at each step (RFC 5321 section 4.5.3.2 where it names the step)."""
-
-    greeting: float = 300.0
-    """TCP connect and the 220 greeting, 4.5.3.2.1 (aiosmtplib bounds each by this value)."""
-    ehlo: float = 300.0
-    """EHLO/HELO: not named by the RFC; like MAIL."""
-    starttls: float = 300.0
-    """STARTTLS reply and the TLS handshake: not named by the RFC; like MAIL."""
-    mail: float = 300.0
-    """MAIL, 4.5.3.2.2."""
-    rcpt: float = 300.0
-    """Each RCPT, 4.5.3.2.3."""
-    data_init: float = 120.0
-    """The 354 reply to DATA, 4.5.3.2.4."""
-    data_block: float = 180.0
-    """Each write of the body to make progress (flow control), 4.5.3.2.5."""
-    data_end: float = 600.0
-    """The reply after the final dot, 4.5.3.2.6: the server may be scanning the message."""
-    rset: float = 20.0
-    """RSET between transactions: not named by the RFC; a sound server answers at once."""
-    quit: float = 30.0
-    """QUIT: not named by the RFC; the outcome is settled by then, so there is no long wait."""
-
-
-RFC5321_TIMEOUTS: Final = Timeouts()
-
-
-@dataclass(frozen=True, slots=True)
-class Recipient:
-    """A recipient with its RFC 3461 DSN parameters (sent only if the server offers DSN).
-
-    ``notify`` empty means no NOTIFY parameter; NEVER must stand alone (section 4.1).
-    ``orcpt`` is the ORCPT value as received, ``addr-type;xtext`` (section 4.2).
-    """
-
-    address: str
-    notify: frozenset[Notify] = frozenset()
-    orcpt: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class MailOptions:
-    """MAIL parameters, each sent only when the server offers the extension.
-
-    ``ret`` and ``envid`` (ENVID as received, xtext): RFC 3461 sections 4.3 and 4.4.
-    ``size``: the message size in octets, RFC 1870; a server limit below it bounces with 5.3.4
-    before anything is sent.  ``eight_bit``: the body is 8-bit MIME (``BODY=8BITMIME``, RFC
-    6152); to a server without 8BITMIME it is sent as it is, as Postfix does by default, since
-    there is no converting it here.  ``smtputf8``: the message needs SMTPUTF8 (RFC 6531), e.g.
-    for UTF-8 headers; non-ASCII addresses imply it.  Without SMTPUTF8 at the server, such mail
-    bounces with 5.6.7 (RFC 6531 section 3.4).
-    """
-
-    ret: Ret | None = None
-    envid: str | None = None
-    size: int | None = None
-    eight_bit: bool = False
-    smtputf8: bool = False
-
-
-BodySource = Callable[[], AsyncIterable[bytes] | Iterable[bytes]]
-"""Opens the message body from its first octet, as chunks.  Called once per transaction (more
-than once after a 452 "too many recipients"), so it must start over each time."""
 
 # Status codes for zoneq's own decisions (RFC 3463).
 _NO_ANSWER: Final = EnhancedStatus(4, 4, 1)  # X.4.1 no answer from host
@@ -878,124 +794,3 @@ async def deliver(
         cache=cache,
     )
     return await session.run()
-
-
-@dataclass(eq=False)
-class Connection:
-    """An SMTP session between transactions, kept for the next message to its destination."""
-
-    smtp: aiosmtplib.SMTP
-    extensions: dict[str, str]
-    peer: str | None
-    local: str | None
-    tls: bool
-    tls_fallback: str | None
-    opened: float
-    messages: int = 0
-    idle_since: float = 0.0
-
-
-CacheKey = tuple[str, int, str | None, str, str, str]
-
-
-class ConnectionCache:
-    """Idle SMTP connections by destination (Postfix's ``smtp_connection_cache``).
-
-    A connection is kept at most ``idle_s`` seconds between messages (well inside the five
-    minutes a server may wait for a command, RFC 5321 section 4.5.3.2.7), at most ``max_age_s``
-    in all and for ``max_messages`` messages, and at most ``max_idle`` are kept.  Not safe
-    across event loops; one per worker process.
-    """
-
-    def __init__(
-        self,
-        *,
-        idle_s: float = 5.0,
-        max_age_s: float = 300.0,
-        max_messages: int = 100,
-        max_idle: int = 256,
-        quit_timeout: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._idle: dict[CacheKey, list[Connection]] = {}
-        self._idle_s = idle_s
-        self._max_age_s = max_age_s
-        self._max_messages = max_messages
-        self._max_idle = max_idle
-        self._quit_timeout = quit_timeout
-        self._clock = clock
-        self._closing: set[asyncio.Task[None]] = set()
-        self.reused = 0
-
-    def now(self) -> float:
-        return self._clock()
-
-    def __len__(self) -> int:
-        return sum(len(kept) for kept in self._idle.values())
-
-    def take(self, key: CacheKey) -> Connection | None:
-        """The most recently used idle connection to ``key`` that is still good."""
-        kept = self._idle.get(key)
-        now = self._clock()
-        while kept:
-            connection = kept.pop()
-            if not kept:
-                del self._idle[key]
-            if connection.smtp.is_connected and now - connection.idle_since <= self._idle_s:
-                self.reused += 1
-                return connection
-            self._retire(connection)
-            kept = self._idle.get(key)
-        return None
-
-    def put(self, key: CacheKey, connection: Connection) -> bool:
-        """Keep ``connection``; False if it has served its time (the caller says QUIT)."""
-        now = self._clock()
-        if (
-            connection.messages >= self._max_messages
-            or now - connection.opened >= self._max_age_s
-            or len(self) >= self._max_idle
-        ):
-            return False
-        connection.idle_since = now
-        self._idle.setdefault(key, []).append(connection)
-        return True
-
-    def prune(self) -> int:
-        """Say QUIT to connections idle too long (call now and then); how many."""
-        now = self._clock()
-        stale = 0
-        for key in list(self._idle):
-            keep = []
-            for connection in self._idle[key]:
-                if now - connection.idle_since > self._idle_s or not connection.smtp.is_connected:
-                    self._retire(connection)
-                    stale += 1
-                else:
-                    keep.append(connection)
-            if keep:
-                self._idle[key] = keep
-            else:
-                del self._idle[key]
-        return stale
-
-    def _retire(self, connection: Connection) -> None:
-        task = asyncio.ensure_future(self._quit(connection))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-
-    async def _quit(self, connection: Connection) -> None:
-        smtp = connection.smtp
-        if smtp.is_connected:
-            with contextlib.suppress(aiosmtplib.SMTPException, OSError):
-                await smtp.execute_command(b"QUIT", timeout=self._quit_timeout)
-        smtp.close()
-
-    async def close(self) -> None:
-        """QUIT every kept connection (at shutdown)."""
-        for kept in self._idle.values():
-            for connection in kept:
-                self._retire(connection)
-        self._idle.clear()
-        if self._closing:
-            await asyncio.wait(list(self._closing), timeout=self._quit_timeout + 1)

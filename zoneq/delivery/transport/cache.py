@@ -1,0 +1,132 @@
+"""Kept SMTP connections, for further messages to the same destination (see ``session``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiosmtplib
+
+
+@dataclass(eq=False)
+class Connection:
+    """An SMTP session between transactions, kept for the next message to its destination."""
+
+    smtp: aiosmtplib.SMTP
+    extensions: dict[str, str]
+    peer: str | None
+    local: str | None
+    tls: bool
+    tls_fallback: str | None
+    opened: float
+    messages: int = 0
+    idle_since: float = 0.0
+
+
+CacheKey = tuple[str, int, str | None, str, str, str]
+
+
+class ConnectionCache:
+    """Idle SMTP connections by destination (Postfix's ``smtp_connection_cache``).
+
+    A connection is kept at most ``idle_s`` seconds between messages (well inside the five
+    minutes a server may wait for a command, RFC 5321 section 4.5.3.2.7), at most ``max_age_s``
+    in all and for ``max_messages`` messages, and at most ``max_idle`` are kept.  Not safe
+    across event loops; one per worker process.
+    """
+
+    def __init__(
+        self,
+        *,
+        idle_s: float = 5.0,
+        max_age_s: float = 300.0,
+        max_messages: int = 100,
+        max_idle: int = 256,
+        quit_timeout: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._idle: dict[CacheKey, list[Connection]] = {}
+        self._idle_s = idle_s
+        self._max_age_s = max_age_s
+        self._max_messages = max_messages
+        self._max_idle = max_idle
+        self._quit_timeout = quit_timeout
+        self._clock = clock
+        self._closing: set[asyncio.Task[None]] = set()
+        self.reused = 0
+
+    def now(self) -> float:
+        return self._clock()
+
+    def __len__(self) -> int:
+        return sum(len(kept) for kept in self._idle.values())
+
+    def take(self, key: CacheKey) -> Connection | None:
+        """The most recently used idle connection to ``key`` that is still good."""
+        kept = self._idle.get(key)
+        now = self._clock()
+        while kept:
+            connection = kept.pop()
+            if not kept:
+                del self._idle[key]
+            if connection.smtp.is_connected and now - connection.idle_since <= self._idle_s:
+                self.reused += 1
+                return connection
+            self._retire(connection)
+            kept = self._idle.get(key)
+        return None
+
+    def put(self, key: CacheKey, connection: Connection) -> bool:
+        """Keep ``connection``; False if it has served its time (the caller says QUIT)."""
+        now = self._clock()
+        if (
+            connection.messages >= self._max_messages
+            or now - connection.opened >= self._max_age_s
+            or len(self) >= self._max_idle
+        ):
+            return False
+        connection.idle_since = now
+        self._idle.setdefault(key, []).append(connection)
+        return True
+
+    def prune(self) -> int:
+        """Say QUIT to connections idle too long (call now and then); how many."""
+        now = self._clock()
+        stale = 0
+        for key in list(self._idle):
+            keep = []
+            for connection in self._idle[key]:
+                if now - connection.idle_since > self._idle_s or not connection.smtp.is_connected:
+                    self._retire(connection)
+                    stale += 1
+                else:
+                    keep.append(connection)
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
+        return stale
+
+    def _retire(self, connection: Connection) -> None:
+        task = asyncio.ensure_future(self._quit(connection))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _quit(self, connection: Connection) -> None:
+        smtp = connection.smtp
+        if smtp.is_connected:
+            with contextlib.suppress(aiosmtplib.SMTPException, OSError):
+                await smtp.execute_command(b"QUIT", timeout=self._quit_timeout)
+        smtp.close()
+
+    async def close(self) -> None:
+        """QUIT every kept connection (at shutdown)."""
+        for kept in self._idle.values():
+            for connection in kept:
+                self._retire(connection)
+        self._idle.clear()
+        if self._closing:
+            await asyncio.wait(list(self._closing), timeout=self._quit_timeout + 1)
