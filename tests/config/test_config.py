@@ -406,3 +406,22 @@ def test_bad_storage_size_names_the_key(value: str) -> None:
     with pytest.raises(ConfigError) as caught:
         loads_config(f"[storage]\nreserve = {value}\n[zones.default]\n[zones.bounces]\n")
     assert caught.value.key == "storage.reserve"
+
+
+def test_tls_policy_per_domain_overrides_the_default_case_insensitively() -> None:
+    config = loads_config(
+        '[delivery]\ntls = "opportunistic"\ntls_policy = { "Bank.Example" = "required" }\n'
+        "[zones.default]\n[zones.bounces]\n"
+    )
+    assert config.delivery.tls_for("bank.example") == "required"
+    assert config.delivery.tls_for("BANK.example") == "required"
+    assert config.delivery.tls_for("other.example") == "opportunistic"
+
+
+def test_a_bad_tls_policy_names_the_key() -> None:
+    with pytest.raises(ConfigError) as caught:
+        loads_config(
+            '[delivery]\ntls_policy = { "bank.example" = "maybe" }\n'
+            "[zones.default]\n[zones.bounces]\n"
+        )
+    assert caught.value.key.startswith("delivery.tls_policy")

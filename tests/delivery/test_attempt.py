@@ -158,3 +158,38 @@ def test_all_hosts_resting_defers_without_connecting() -> None:
     reports = run(job("a@ok.test"), Resolver(hosts(("mx1", ("10.0.0.1",)))), server, dead)
     assert reports[0].outcome is Outcome.DEFERRED
     assert server.calls == []
+
+
+def test_a_domain_that_requires_tls_gets_the_required_policy() -> None:
+    from dataclasses import replace
+
+    from zoneq.delivery.transport import TlsPolicy
+
+    seen: list[Any] = []
+
+    async def send(**kwargs: Any) -> TransactionResult:
+        seen.append(kwargs["tls"])
+        return TransactionResult(
+            kwargs["host"],
+            25,
+            tuple(
+                RecipientResult(r.address, Verdict.DONE, Stage.END_OF_DATA, Reply(250, ("ok",)))
+                for r in kwargs["recipients"]
+            ),
+            peer=kwargs["host"],
+        )
+
+    settings = replace(SETTINGS, tls_policy={"ok.test": TlsPolicy.REQUIRED})
+    asyncio.run(
+        attempt(
+            job("a@ok.test"),
+            settings=settings,
+            resolver=Resolver(hosts(("mx", ("10.0.0.1",)))),  # type: ignore[arg-type]
+            dead_hosts=DeadHostCache(clock=lambda: 0.0),
+            body=lambda: [b"x"],
+            send=send,
+        )
+    )
+    assert seen == [TlsPolicy.REQUIRED]
+    assert settings.tls_for("OK.test") is TlsPolicy.REQUIRED
+    assert settings.tls_for("other.test") is TlsPolicy.OPPORTUNISTIC

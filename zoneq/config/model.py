@@ -281,6 +281,21 @@ class DeliveryConfig(_Section):
     tls: Literal["opportunistic", "required", "none"] = "opportunistic"
     """STARTTLS policy: use when offered, insist (defer without it), or never."""
 
+    tls_policy: dict[str, Literal["opportunistic", "required", "none"]] = Field(
+        default_factory=dict
+    )
+    """Per destination domain, overriding ``tls``: e.g. ``"bank.example" = "required"``
+    (then mail to it waits with 4.7.x rather than ever going in plaintext)."""
+
+    def tls_for(self, domain: str) -> str:
+        """The STARTTLS policy for mail to ``domain`` (domains compare case-insensitively)."""
+        return self.tls_policy.get(domain.lower(), self.tls)
+
+    @field_validator("tls_policy")
+    @classmethod
+    def _lower_domains(cls, value: dict[str, str]) -> dict[str, str]:
+        return {domain.lower().rstrip("."): policy for domain, policy in value.items()}
+
     domain_connections: Annotated[int, Field(ge=1, le=10_000)] = 10
     """Connections at once per destination domain, across all of a zone's workers."""
 

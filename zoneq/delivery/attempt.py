@@ -16,8 +16,8 @@ a while, so the other delivery loops skip it too; one that worked marks it alive
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from zoneq.delivery.hostcache import DeadHostCache
 from zoneq.delivery.mx import MxKind, MxResolver, MxResult
@@ -47,6 +47,11 @@ class Settings:
     tls: TlsPolicy = TlsPolicy.OPPORTUNISTIC
     timeouts: Timeouts = RFC5321_TIMEOUTS
     source_address: str | None = None
+    # Per destination domain, overriding ``tls`` (RFC 3207 leaves the choice to the client).
+    tls_policy: Mapping[str, TlsPolicy] = field(default_factory=dict)
+
+    def tls_for(self, domain: str) -> TlsPolicy:
+        return self.tls_policy.get(domain.lower(), self.tls)
 
 
 Send = Callable[..., Awaitable[TransactionResult]]
@@ -144,7 +149,7 @@ class _Walk:
             recipients=self.pending,
             body=self.body,
             source_address=self.settings.source_address,
-            tls=self.settings.tls,
+            tls=self.settings.tls_for(self.job.domain),
             tls_server_name=host_name,
             timeouts=self.settings.timeouts,
             options=self.options,

@@ -40,6 +40,7 @@ def settings_for(config: Config, zone: str) -> Settings:
         port=config.delivery.mx_port,
         ipv6=zone_config.ipv6,
         tls=TlsPolicy(config.delivery.tls),
+        tls_policy={d: TlsPolicy(p) for d, p in config.delivery.tls_policy.items()},
     )
 
 
