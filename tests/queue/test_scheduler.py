@@ -152,3 +152,14 @@ def test_queue_waits_for_the_rate_and_keeps_order() -> None:
     job = queue.take(slots, rate, 1000)
     assert job is not None and job.msg_id == 2
     assert slots.in_flight("a") == 1 and slots.in_flight("b") == 1
+
+
+def test_queue_removes_one_messages_jobs_and_keeps_the_order_of_the_rest() -> None:
+    queue: JobQueue[Item] = JobQueue()
+    queue.extend(
+        plan_jobs([(1, "a", "x"), (2, "a", "y"), (1, "b", "z"), (3, "c", "w")], group=group)
+    )
+    gone = queue.remove(1)
+    assert [(j.msg_id, j.domain) for j in gone] == [(1, "a"), (1, "b")]
+    assert [j.msg_id for j in queue.drain()] == [2, 3]
+    assert queue.remove(9) == []

@@ -355,3 +355,37 @@ async def test_a_one_chunk_body_travels_with_its_job(store: QueueStore) -> None:
     jobs = {job.msg_id: job for job in await service.lease(Z, "w1", max_jobs=2)}
     assert jobs[small].body == b"all of it"
     assert jobs[large].body is None  # fetched chunk by chunk by the worker
+
+
+@async_test
+async def test_a_recipient_dropped_while_waiting_in_the_core_is_never_handed_out(
+    store: QueueStore,
+) -> None:
+    service = service_for(store, Clock(), domain_connections=1)
+    msg_id = await queue_message(store, [("a@one.test", Z)])
+    other = await queue_message(store, [("b@one.test", Z), ("c@one.test", Z)])
+    (first,) = await service.lease(Z, "w1")  # one.test's only slot: the rest wait in the core
+    assert first.msg_id == msg_id
+    await store.drop(other, T0, address="b@one.test")  # an administrator removes one
+    await service.report("w1", outcome(first, Result.DELIVERED))
+    (second,) = await service.lease(Z, "w1")
+    assert [r.address for r in second.recipients] == ["c@one.test"]
+    await assert_consistent(store)
+
+
+@async_test
+async def test_hold_takes_recipients_waiting_in_the_core_but_not_those_in_flight(
+    store: QueueStore,
+) -> None:
+    service = service_for(store, Clock(), domain_connections=1)
+    msg_id = await queue_message(store, [("a@one.test", Z), ("b@two.test", Z)])
+    waiting = await queue_message(store, [("c@one.test", Z)])
+    jobs = await service.lease(Z, "w1", max_jobs=5)  # one.test has one slot: c waits here
+    assert sorted(j.msg_id for j in jobs) == [msg_id, msg_id]
+    assert await service.hold(waiting) == 1
+    assert await service.hold(msg_id) == 0  # both of its recipients are on the wire
+    for job in jobs:
+        await service.report("w1", outcome(job, Result.DELIVERED))
+    assert await service.lease(Z, "w1", max_jobs=5) == []  # c is held, not handed out
+    assert store.count(Z, State.HELD) == 1
+    await assert_consistent(store)

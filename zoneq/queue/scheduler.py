@@ -158,6 +158,13 @@ class JobQueue(Generic[T]):
         """Domains with jobs waiting here that are at their connection limit."""
         return {job.domain for job in self._jobs if not slots.available(job.domain)}
 
+    def remove(self, msg_id: int) -> list[Planned[T]]:
+        """Take out the waiting jobs of one message (an administrator holds or drops it)."""
+        gone = [job for job in self._jobs if job.msg_id == msg_id]
+        if gone:
+            self._jobs = deque(job for job in self._jobs if job.msg_id != msg_id)
+        return gone
+
     def drain(self) -> list[Planned[T]]:
         jobs = list(self._jobs)
         self._jobs.clear()

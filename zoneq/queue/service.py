@@ -227,11 +227,19 @@ class QueueService:
         return True
 
     def _hand_out(self, state: _Zone, owner: str, planned: Planned[Lease]) -> Job | None:
-        try:
-            meta = self._store.message(planned.msg_id)
-        except NotFound:  # dropped meanwhile: its leases were revoked by the drop
+        # Recipients wait here leased to the core; one an administrator dropped meanwhile has
+        # had its lease revoked, and must not go out.
+        current = [lease for lease in planned.items if self._store.holds(lease)]
+        meta = None
+        if current:
+            try:
+                meta = self._store.message(planned.msg_id)
+            except NotFound:
+                meta = None
+        if meta is None:
             state.slots.release(planned.domain)
             return None
+        planned = Planned(planned.msg_id, planned.domain, tuple(current))
         job_id = next(self._job_ids)
         tokens = {lease.token for lease in planned.items}
         self._running[job_id] = _Running(state.name, planned.domain, owner, tokens)
@@ -430,6 +438,22 @@ class QueueService:
         if (meta.ret or "").upper() != "FULL" or meta.size > FULL_RETURN_LIMIT:
             return None
         return b"".join(self._store.body(meta.msg_id))
+
+    # --- administration -------------------------------------------------------------------
+
+    async def hold(self, msg_id: int, reason: str = "held by administrator") -> int:
+        """Hold a message, including its recipients waiting here for a worker.
+
+        The store holds only what is not leased, since a leased recipient may be on the
+        wire; but those this service leased and has not handed out are not, so they are
+        given back first and held with the rest.  Recipients in flight finish their attempt.
+        """
+        for zone in self._zones.values():
+            for job in zone.queue.remove(msg_id):
+                for lease in job.items:
+                    with contextlib.suppress(LeaseError):
+                        self._store.release(lease)
+        return await self._store.hold(msg_id, reason)
 
     # --- bodies and connections -----------------------------------------------------------
 

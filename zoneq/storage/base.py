@@ -377,6 +377,11 @@ class StoreBase:
         self._counters.add(MESSAGES, -1)
         return self._message_deletes(msg_id)
 
+    def holds(self, lease: Lease) -> bool:
+        """Whether ``lease`` is still current (not released, revoked or taken over)."""
+        current = self._leases.get(lease.key)
+        return current is not None and current.token == lease.token
+
     def leased(self, zone: str | None = None) -> int:
         if zone is None:
             return len(self._leases)
