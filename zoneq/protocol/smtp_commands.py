@@ -1,0 +1,337 @@
+"""Parsing of SMTP command lines for the server side (``smtp_server``).
+
+Theory of operation
+-------------------
+``smtp_server`` cuts the byte stream into lines (only CRLF ends one) and decodes each as
+UTF-8; everything about the *text* of one command line lives here.  ``split_command``
+separates the verb from its argument; ``parse_mail`` and ``parse_rcpt`` turn the argument
+of MAIL and RCPT into values (the path and the RFC 5321 section 4.1.2 esmtp parameters, with
+the meanings of RFC 1652, 1870, 3461 and 6531).  A fault in the peer's text raises
+``CommandError`` carrying the exact reply to send, so the state machine never has to map
+error kinds to codes: it catches the error and queues ``error.reply``.
+
+Pure: no I/O, no clock.  Values are frozen dataclasses and enums.
+
+Choices:
+
+* ENVID and ORCPT are kept *raw*, exactly as received (xtext), after checking that they
+  decode: the queue stores them that way and the DSN builder (``dsn``) decodes them.
+* An unrecognised MAIL/RCPT parameter keyword is 555 5.5.4 (RFC 5321 section 4.1.1.11);
+  a recognised keyword with a bad value is 501 5.5.4; BODY=BINARYMIME, a value defined by
+  RFC 3030 but not offered, is 504 5.5.4 (parameter not implemented).
+* A space after ``FROM:`` / ``TO:`` is tolerated (RFC 5321 forbids it, many clients send
+  it, and it is unambiguous); a source route (``<@a,@b:user@c>``) is accepted and dropped
+  (RFC 5321 section 4.1.2 and appendix C).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import Final
+
+from zoneq.errors import ProtocolError
+from zoneq.protocol.dsn import Notify, Ret
+from zoneq.protocol.replies import EnhancedStatus, Reply
+from zoneq.protocol.xtext import utf8_xtext_decode, xtext_decode
+
+__all__ = [
+    "BodyType",
+    "CommandError",
+    "MailCommand",
+    "RcptCommand",
+    "parse_mail",
+    "parse_rcpt",
+    "split_command",
+    "syntax_error",
+]
+
+# RFC 5321 section 4.5.3.1: local-part 64 octets, path (with the angle brackets) 256.
+MAX_LOCAL_PART: Final = 64
+MAX_PATH: Final = 256
+# RFC 3461 section 4.4: ENVID is at most 100 characters; section 4.2: ORCPT at most 500.
+MAX_ENVID: Final = 100
+MAX_ORCPT: Final = 500
+# RFC 1870 section 3: size-value = 1*20DIGIT.
+_SIZE_VALUE: Final = re.compile(r"[0-9]{1,20}")
+# RFC 5321 section 4.1.2: esmtp-keyword = (ALPHA / DIGIT) *(ALPHA / DIGIT / "-").
+_KEYWORD: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*")
+# RFC 5321 section 4.1.2: esmtp-value = 1*(%d33-60 / %d62-126); RFC 6531 section 3.3 adds
+# UTF-8 non-ASCII characters.
+_VALUE: Final = re.compile(r"[\x21-\x3c\x3e-\x7e\u0080-\U0010ffff]+")
+# RFC 5322 section 3.2.3 atom, for the ORCPT addr-type (RFC 3461 section 4.2).
+_ATOM: Final = re.compile(r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+")
+_VERB: Final = re.compile(r"[A-Za-z]+")
+
+
+class CommandError(ProtocolError):
+    """The peer's command is at fault; ``reply`` is what to answer (the session goes on)."""
+
+    def __init__(self, reply: Reply) -> None:
+        super().__init__(str(reply))
+        self.reply = reply
+
+
+def _reply(code: int, text: str, klass: int, subject: int, detail: int) -> Reply:
+    return Reply(code, (text,), EnhancedStatus(klass, subject, detail))
+
+
+def syntax_error(text: str) -> Reply:
+    """500 5.5.2 (RFC 3463 section 3.6: syntax error)."""
+    return _reply(500, text, 5, 5, 2)
+
+
+def bad_arguments(text: str) -> Reply:
+    """501 5.5.4 (RFC 3463 section 3.6: invalid command arguments)."""
+    return _reply(501, text, 5, 5, 4)
+
+
+def _unsupported_parameter(keyword: str) -> Reply:
+    # RFC 5321 section 4.1.1.11: parameters not recognised are answered with 555.
+    return _reply(555, f"Unsupported parameter {keyword}", 5, 5, 4)
+
+
+class BodyType(enum.StrEnum):
+    """RFC 1652 section 3 BODY values offered (8BITMIME); BINARYMIME is not."""
+
+    SEVEN_BIT = "7BIT"
+    EIGHT_BIT_MIME = "8BITMIME"
+
+
+@dataclass(frozen=True, slots=True)
+class MailCommand:
+    """A parsed ``MAIL FROM``: ``sender`` is "" for the null reverse-path ``<>``."""
+
+    sender: str
+    size: int | None = None
+    body: BodyType | None = None
+    smtputf8: bool = False
+    ret: Ret | None = None
+    envid: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RcptCommand:
+    """A parsed ``RCPT TO``.  ``notify`` is None without a NOTIFY parameter; ``orcpt`` is
+    the raw ``addr-type;xtext`` value (RFC 3461 section 4.2), checked but not decoded."""
+
+    recipient: str
+    notify: frozenset[Notify] | None = None
+    orcpt: str | None = None
+
+
+def split_command(line: str) -> tuple[str, str]:
+    """Split a command line (CRLF removed) into upper-case verb and argument text.
+
+    RFC 5321 section 4.1.1: verbs are case-insensitive and separated from the argument by
+    one space.  Raises ``CommandError`` (500 5.5.2) when the line does not begin with a verb.
+    """
+    verb, space, rest = line.partition(" ")
+    if not _VERB.fullmatch(verb):
+        raise CommandError(syntax_error("Syntax error, command unrecognized"))
+    return verb.upper(), rest if space else ""
+
+
+def _split_path(argument: str, prefix: str) -> tuple[str, str]:
+    """Cut ``FROM:<path>`` / ``TO:<path>`` into the path's content and the parameter text."""
+    if argument[: len(prefix)].upper() != prefix:
+        raise CommandError(bad_arguments(f"Syntax: {prefix}<address>"))
+    rest = argument[len(prefix) :].lstrip(" ")
+    if not rest.startswith("<"):
+        raise CommandError(bad_arguments("Address must be enclosed in <>"))
+    # Find the closing ">" outside any quoted-string (RFC 5321 section 4.1.2 Quoted-string).
+    quoted = False
+    escaped = False
+    for index in range(1, len(rest)):
+        char = rest[index]
+        if escaped:
+            escaped = False
+        elif char == "\\" and quoted:
+            escaped = True
+        elif char == '"':
+            quoted = not quoted
+        elif char == ">" and not quoted:
+            params = rest[index + 1 :]
+            if params and not params.startswith(" "):
+                raise CommandError(bad_arguments("Space required after the address"))
+            if index + 1 > MAX_PATH:
+                raise CommandError(_reply(501, "Path too long", 5, 1, 3))
+            return rest[1:index], params.strip(" ")
+    raise CommandError(bad_arguments("Address must be enclosed in <>"))
+
+
+def _check_mailbox(path: str, *, utf8: bool, postmaster_ok: bool = False) -> str:
+    """Validate a path's content and return the mailbox (source route removed)."""
+    if path.startswith("@"):
+        # RFC 5321 section 4.1.2: A-d-l ":" Mailbox; section C: the route is ignored.
+        _route, colon, path = path.partition(":")
+        if not colon:
+            raise CommandError(_reply(501, "Bad source route", 5, 1, 3))
+    if postmaster_ok and path.lower() == "postmaster":
+        return path  # RFC 5321 section 4.1.1.3: "<Postmaster>" without a domain.
+    local, at, domain = path.rpartition("@")
+    if not at or not local or not domain:
+        raise CommandError(_reply(501, "Bad address syntax", 5, 1, 3))
+    # Controls are never allowed; a space only inside a quoted local part (RFC 5321
+    # section 4.1.2 Quoted-string).  Finer syntax is left to the next hop.
+    quoted_local = len(local) >= 2 and local.startswith('"') and local.endswith('"')
+    if (
+        any(ord(char) < 0x20 or ord(char) == 0x7F for char in path)
+        or " " in domain
+        or (" " in local and not quoted_local)
+    ):
+        raise CommandError(_reply(501, "Bad address syntax", 5, 1, 3))
+    if len(local.encode("utf-8")) > MAX_LOCAL_PART:
+        raise CommandError(_reply(501, "Local part too long", 5, 1, 3))
+    if not path.isascii() and not utf8:
+        # RFC 6531 section 3.5: non-ASCII addresses need the SMTPUTF8 parameter.
+        raise CommandError(_reply(553, "Non-ASCII address requires SMTPUTF8", 5, 6, 7))
+    return path
+
+
+def _parameters(text: str) -> dict[str, str | None]:
+    """Parse ``KEY[=VALUE] ...`` (RFC 5321 section 4.1.2) into upper-case keys -> values."""
+    params: dict[str, str | None] = {}
+    for word in text.split(" "):
+        if not word:
+            continue  # several spaces: tolerated
+        keyword, equals, value = word.partition("=")
+        if not _KEYWORD.fullmatch(keyword) or (equals and not _VALUE.fullmatch(value)):
+            raise CommandError(bad_arguments(f"Bad parameter syntax: {word}"))
+        key = keyword.upper()
+        if key in params:
+            raise CommandError(bad_arguments(f"Duplicate parameter {key}"))
+        params[key] = value if equals else None
+    return params
+
+
+def _no_value(key: str, value: str | None) -> None:
+    if value is not None:
+        raise CommandError(bad_arguments(f"{key} takes no value"))
+
+
+def _value(key: str, value: str | None) -> str:
+    if value is None:
+        raise CommandError(bad_arguments(f"{key} requires a value"))
+    return value
+
+
+_MAIL_PARAMETERS: Final = frozenset({"SIZE", "BODY", "SMTPUTF8", "RET", "ENVID"})
+
+
+def _size(value: str | None, max_size: int) -> int:
+    """RFC 1870 section 3: SIZE=digits; over the limit is 552 5.3.4 (section 6)."""
+    text = _value("SIZE", value)
+    if not _SIZE_VALUE.fullmatch(text):
+        raise CommandError(bad_arguments("SIZE must be a number"))
+    size = int(text)
+    if size > max_size:
+        raise CommandError(_reply(552, "Message size exceeds fixed maximum", 5, 3, 4))
+    return size
+
+
+def _body(value: str | None) -> BodyType:
+    """RFC 1652 section 3: BODY=7BIT / 8BITMIME."""
+    text = _value("BODY", value).upper()
+    if text == "BINARYMIME":
+        raise CommandError(_reply(504, "BODY=BINARYMIME not supported", 5, 5, 4))
+    try:
+        return BodyType(text)
+    except ValueError:
+        raise CommandError(bad_arguments("BODY must be 7BIT or 8BITMIME")) from None
+
+
+def _ret(value: str | None) -> Ret:
+    """RFC 3461 section 4.3: RET=FULL / HDRS."""
+    try:
+        return Ret(_value("RET", value).upper())
+    except ValueError:
+        raise CommandError(bad_arguments("RET must be FULL or HDRS")) from None
+
+
+def _envid(value: str | None) -> str:
+    """RFC 3461 section 4.4: ENVID=xtext, at most 100 characters; kept raw."""
+    envid = _value("ENVID", value)
+    if len(envid) > MAX_ENVID:
+        raise CommandError(bad_arguments("ENVID too long"))
+    try:
+        xtext_decode(envid)
+    except ProtocolError:
+        raise CommandError(bad_arguments("ENVID is not xtext")) from None
+    return envid
+
+
+def parse_mail(argument: str, *, esmtp: bool, max_size: int) -> MailCommand:
+    """Parse the argument of MAIL (``FROM:<path> params``).
+
+    ``esmtp`` is False after HELO: then no parameter is allowed (RFC 1869 section 4.2,
+    carried into RFC 5321 section 4.1.1.11).  A SIZE over ``max_size`` is 552 5.3.4
+    (RFC 1870 section 6).
+    """
+    path, param_text = _split_path(argument, "FROM:")
+    params = _parameters(param_text)
+    if params and not esmtp:
+        raise CommandError(_unsupported_parameter(next(iter(params))))
+    smtputf8 = "SMTPUTF8" in params
+    if smtputf8:
+        _no_value("SMTPUTF8", params["SMTPUTF8"])  # RFC 6531 section 3.4
+    sender = "" if path == "" else _check_mailbox(path, utf8=smtputf8)
+    size = _size(params["SIZE"], max_size) if "SIZE" in params else None
+    body = _body(params["BODY"]) if "BODY" in params else None
+    ret = _ret(params["RET"]) if "RET" in params else None
+    envid = _envid(params["ENVID"]) if "ENVID" in params else None
+    for key in params:
+        if key not in _MAIL_PARAMETERS:
+            raise CommandError(_unsupported_parameter(key))
+    return MailCommand(sender, size, body, smtputf8, ret, envid)
+
+
+def _parse_notify(value: str) -> frozenset[Notify]:
+    """RFC 3461 section 4.1: NEVER alone, or a list of SUCCESS, FAILURE, DELAY."""
+    words = value.upper().split(",")
+    try:
+        notify = [Notify(word) for word in words]
+    except ValueError:
+        raise CommandError(bad_arguments("Bad NOTIFY value")) from None
+    if len(set(notify)) != len(notify) or (Notify.NEVER in notify and len(notify) > 1):
+        raise CommandError(bad_arguments("Bad NOTIFY value"))
+    return frozenset(notify)
+
+
+def _check_orcpt(value: str) -> str:
+    """RFC 3461 section 4.2: ``addr-type ";" xtext`` (RFC 6533 section 3 for utf-8)."""
+    addr_type, semicolon, encoded = value.partition(";")
+    if not semicolon or not _ATOM.fullmatch(addr_type) or not encoded:
+        raise CommandError(bad_arguments("ORCPT must be addr-type;xtext"))
+    if len(value) > MAX_ORCPT:
+        raise CommandError(bad_arguments("ORCPT too long"))
+    decode = utf8_xtext_decode if addr_type.lower() == "utf-8" else xtext_decode
+    try:
+        decode(encoded)
+    except ProtocolError:
+        raise CommandError(bad_arguments("ORCPT is not xtext")) from None
+    return value
+
+
+def parse_rcpt(argument: str, *, esmtp: bool, smtputf8: bool) -> RcptCommand:
+    """Parse the argument of RCPT (``TO:<path> params``).
+
+    ``smtputf8`` says whether the transaction's MAIL carried SMTPUTF8 (RFC 6531 section
+    3.5: only then may the address be non-ASCII).
+    """
+    path, param_text = _split_path(argument, "TO:")
+    recipient = _check_mailbox(path, utf8=smtputf8, postmaster_ok=True)
+    params = _parameters(param_text)
+    if params and not esmtp:
+        raise CommandError(_unsupported_parameter(next(iter(params))))
+    notify: frozenset[Notify] | None = None
+    orcpt: str | None = None
+    for key, value in params.items():
+        if key == "NOTIFY":
+            notify = _parse_notify(_value(key, value))
+        elif key == "ORCPT":
+            orcpt = _check_orcpt(_value(key, value))
+        else:
+            raise CommandError(_unsupported_parameter(key))
+    return RcptCommand(recipient, notify, orcpt)

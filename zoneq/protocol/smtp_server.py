@@ -1,0 +1,625 @@
+"""The server side of SMTP as a sans-IO state machine (RFC 5321), for zoneq's receiver.
+
+Theory of operation
+-------------------
+``ServerConnection`` owns no socket and reads no clock.  The driver (the asyncio server
+around it) does three things in a loop: it feeds bytes as they arrive to ``receive``, acts
+on the events that come back, and writes out ``data_to_send()``.  Like h11, the machine is
+"bytes in, events and bytes out":
+
+* Bytes are buffered and cut into lines; only CRLF ends a line (RFC 5321 section 2.3.8).
+  A bare CR or LF never ends anything, which is what defeats SMTP smuggling.
+* Each command line is parsed (``smtp_commands``) and checked against the state table
+  ``_ALLOWED`` (RFC 5321 section 4.1.4 ordering).  Faults of the peer never raise: they
+  become replies (``CommandError`` carries the reply to send).
+* Commands the machine can answer alone (EHLO, NOOP, RSET, ...) are answered at once.
+  Commands that need the driver's judgement (``MailFrom``, ``RcptTo``, ``DataStart``,
+  ``DataEnd``, ``AuthRequest``, ``AuthResponse``) become events with ``needs_decision``;
+  the machine then stops reading input until the driver calls ``accept`` or ``reject``
+  (or ``challenge`` for AUTH).  Commands pipelined behind it (RFC 2920) wait in the buffer,
+  so replies always go out in command order.  ``accept``/``reject`` return the events that
+  resuming the buffered input produced.  Deciding when nothing is pending raises
+  ``DecisionError``: that is a bug in the driver, not the peer.
+* DATA (RFC 5321 section 4.1.1.4) is streamed: body bytes come out as ``DataChunk``
+  events, dot-unstuffed (section 4.5.2), CRLF kept, never accumulated (the machine holds
+  at most the two bytes that might begin the end marker, plus one trailing CR).  Chunk
+  boundaries carry no meaning.  The end is exactly CRLF "." CRLF.
+
+Choices about bad message data (the decision is made at the final dot, as Postfix's
+``smtpd_forbid_bare_newline`` does, so the client is still in step with us):
+
+* A bare CR or LF anywhere in DATA (the 2023 smuggling sequences ``<LF>.<LF>``,
+  ``<LF>.<CR><LF>``, ``<CR>.<CR>``, ``<CR><LF>.<LF>`` and their NUL variants) does not end
+  the message; the message is refused after the real final dot with 554 5.6.0 (RFC 3463
+  section 3.7, "other media error": the registry has no code specific to bare newlines).
+* A text line over ``max_text_line`` octets, CRLF included (RFC 5321 section 4.5.3.1.6),
+  is refused after the final dot with 500 5.5.2 "Line too long" (section 4.5.3.1.10 lists
+  500 for it).
+* More than ``max_message_size`` octets (after unstuffing) is refused after the final dot
+  with 552 5.3.4 (RFC 1870 section 6.3).
+* The first fault found decides the reply; from that byte on no ``DataChunk`` is emitted
+  and the rest is only scanned for the end.  The event is ``DataEnd(rejected=reply)``,
+  already answered: the driver must discard what it received for the message.
+
+STARTTLS (RFC 3207): the machine answers 220, emits ``StartTLS``, discards whatever was
+pipelined behind the command (section 4.2 and the 2011 command-injection bugs), and ignores
+input until the driver calls ``tls_established()``; the session is then back to its
+initial state and the client must send EHLO again.
+
+AUTH (RFC 4954) is left to the driver: ``AuthRequest(mechanism, initial)`` with the initial
+response base64-decoded; the driver answers ``accept`` (235), ``reject`` (535, ...) or
+``challenge(data)`` (334), after which the client's next line arrives as ``AuthResponse``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import enum
+from typing import Final
+
+from zoneq.protocol.replies import EnhancedStatus, Reply
+from zoneq.protocol.smtp_commands import (
+    CommandError,
+    bad_arguments,
+    parse_mail,
+    parse_rcpt,
+    split_command,
+    syntax_error,
+)
+
+__all__ = [
+    "AuthRequest",
+    "AuthResponse",
+    "DataChunk",
+    "DataEnd",
+    "DataStart",
+    "DecisionError",
+    "Event",
+    "Hello",
+    "MailFrom",
+    "Quit",
+    "RcptTo",
+    "Reset",
+    "ServerConnection",
+    "StartTLS",
+    "State",
+]
+
+from zoneq.protocol.smtp_events import (
+    AuthRequest,
+    AuthResponse,
+    DataChunk,
+    DataEnd,
+    DataStart,
+    Event,
+    Hello,
+    MailFrom,
+    Quit,
+    RcptTo,
+    Reset,
+    StartTLS,
+)
+
+_CRLF: Final = b"\r\n"
+_END_MARK: Final = b".\r\n"  # at the start of a line: the end of DATA (RFC 5321 4.1.1.4)
+_AUTH_MECHANISMS: Final = ("PLAIN", "LOGIN")
+
+
+def _r(code: int, text: str, klass: int, subject: int, detail: int) -> Reply:
+    return Reply(code, (text,), EnhancedStatus(klass, subject, detail))
+
+
+# Replies, with RFC 3463 codes (RFC 2034 puts them on every reply but greeting and EHLO).
+OK: Final = _r(250, "OK", 2, 0, 0)
+SENDER_OK: Final = _r(250, "Sender OK", 2, 1, 0)
+RECIPIENT_OK: Final = _r(250, "Recipient OK", 2, 1, 5)
+START_INPUT: Final = Reply(354, ("End data with <CR><LF>.<CR><LF>",))
+QUEUED: Final = _r(250, "OK queued", 2, 0, 0)
+AUTH_OK: Final = _r(235, "Authentication successful", 2, 7, 0)
+BYE: Final = _r(221, "Bye", 2, 0, 0)
+BAD_SEQUENCE_HELLO: Final = _r(503, "Send EHLO/HELO first", 5, 5, 1)
+LINE_TOO_LONG: Final = syntax_error("Line too long")
+BARE_NEWLINE_IN_COMMAND: Final = syntax_error("Bare CR or LF not allowed")
+TOO_MANY_RECIPIENTS: Final = _r(452, "Too many recipients", 4, 5, 3)
+MESSAGE_TOO_BIG: Final = _r(552, "Message size exceeds fixed maximum message size", 5, 3, 4)
+BARE_NEWLINE_IN_DATA: Final = _r(554, "Bare CR or LF not allowed in message data", 5, 6, 0)
+TEXT_LINE_TOO_LONG: Final = syntax_error("Line too long")
+
+
+class DecisionError(RuntimeError):
+    """The driver misused the machine (decided twice, or with a reply of the wrong kind)."""
+
+
+class State(enum.Enum):
+    """Where the session is (RFC 5321 section 4.1.4 ordering)."""
+
+    INITIAL = "initial"  # no EHLO/HELO yet (also after STARTTLS)
+    READY = "ready"  # greeted, no mail transaction
+    MAIL = "mail"  # MAIL accepted, no recipient yet
+    RCPT = "rcpt"  # at least one recipient accepted
+    DATA = "data"  # receiving message text
+    AUTH = "auth"  # 334 sent, waiting for the client's SASL line
+    TLS = "tls"  # 220 to STARTTLS sent, waiting for the handshake
+    CLOSED = "closed"  # QUIT answered, or a 421 sent
+
+
+_IN_TRANSACTION: Final = frozenset({State.MAIL, State.RCPT})
+_NEED_MAIL: Final = _r(503, "Need MAIL command", 5, 5, 1)
+_NEED_RCPT: Final = _r(503, "Need RCPT command", 5, 5, 1)
+_NESTED_MAIL: Final = _r(503, "Sender already specified", 5, 5, 1)
+
+
+class ServerConnection:
+    """One SMTP session seen from the server.  See the module docstring."""
+
+    def __init__(
+        self,
+        hostname: str,
+        *,
+        max_message_size: int,
+        max_recipients: int = 1000,
+        max_command_line: int = 512,
+        max_text_line: int = 1000,
+        auth_offered: bool = False,
+        tls_offered: bool = False,
+        tls_active: bool = False,
+    ) -> None:
+        if max_command_line < 8 or max_text_line < 3 or max_message_size < 0:
+            raise ValueError("limits too small")
+        self.hostname = hostname
+        self.max_message_size = max_message_size
+        self.max_recipients = max_recipients
+        self.max_command_line = max_command_line  # RFC 5321 4.5.3.1.4: 512 with CRLF
+        self.max_text_line = max_text_line  # RFC 5321 4.5.3.1.6: 1000 with CRLF
+        self.auth_offered = auth_offered
+        self.tls_offered = tls_offered
+        self.tls_active = tls_active
+        self.authenticated = False
+        self.state = State.INITIAL
+        self.pending: Event | None = None
+        self._esmtp = False
+        self._smtputf8 = False
+        self._recipients = 0
+        self._buffer = bytearray()
+        self._out = bytearray()
+        self._discarding = False  # inside an over-long command line
+        # DATA
+        self._chunk = bytearray()
+        self._line_start = True
+        self._line_len = 0
+        self._data_size = 0
+        self._fault: Reply | None = None
+
+    # --- driver API ---------------------------------------------------------------------
+
+    def greeting(self) -> bytes:
+        """The 220 banner (RFC 5321 section 4.3.1; RFC 2034: no enhanced code here)."""
+        return Reply(220, (f"{self.hostname} ESMTP",)).to_wire()
+
+    def data_to_send(self) -> bytes:
+        """Replies produced so far, in order; the buffer is emptied."""
+        out = bytes(self._out)
+        self._out.clear()
+        return out
+
+    @property
+    def closed(self) -> bool:
+        """True once QUIT was answered or a 421 was sent: close after sending."""
+        return self.state is State.CLOSED
+
+    def receive(self, data: bytes) -> list[Event]:
+        """Feed bytes from the peer; returns the events they produce, in order.
+
+        While a decision is pending the bytes are only buffered (the driver should stop
+        reading until it decides, to bound the buffer).  After STARTTLS (until
+        ``tls_established``) and after the session closed, input is discarded.
+        """
+        if self.state in (State.TLS, State.CLOSED):
+            return []
+        self._buffer += data
+        return self._process()
+
+    def accept(self, reply: Reply | None = None) -> list[Event]:
+        """Accept the pending event, answering ``reply`` or the default for it."""
+        event = self._peek_pending()
+        default = START_INPUT if isinstance(event, DataStart) else None
+        if reply is None:
+            reply = default or _DEFAULT_ACCEPT[type(event)]
+        expected = 354 if isinstance(event, DataStart) else None
+        if (expected is not None and reply.code != expected) or (
+            expected is None and not reply.is_positive
+        ):
+            raise DecisionError(f"cannot accept {event!r} with {reply}")
+        self.pending = None
+        if isinstance(event, MailFrom):
+            self.state = State.MAIL
+            self._smtputf8 = event.smtputf8
+        elif isinstance(event, RcptTo):
+            self._recipients += 1
+            self.state = State.RCPT
+        elif isinstance(event, DataStart):
+            self._start_data()
+        elif isinstance(event, AuthRequest | AuthResponse):
+            self.authenticated = True
+            self.state = State.READY
+        self._send(reply)
+        return self._process()
+
+    def reject(self, reply: Reply) -> list[Event]:
+        """Refuse the pending event with a 4yz or 5yz ``reply``.  A 421 closes the session
+        (RFC 5321 section 3.8)."""
+        event = self._peek_pending()
+        if reply.code < 400:
+            raise DecisionError(f"cannot reject {event!r} with {reply}")
+        self.pending = None
+        if isinstance(event, AuthRequest | AuthResponse):
+            self.state = State.READY
+        self._send(reply)
+        return self._process()
+
+    def challenge(self, data: bytes) -> list[Event]:
+        """Answer a pending AUTH event with 334 and ``data`` (base64-encoded here)."""
+        if not isinstance(self.pending, AuthRequest | AuthResponse):
+            raise DecisionError(f"no AUTH exchange pending (pending: {self.pending!r})")
+        self.pending = None
+        self.state = State.AUTH
+        self._send(Reply(334, (base64.b64encode(data).decode("ascii"),)))
+        return self._process()
+
+    def tls_established(self) -> list[Event]:
+        """The TLS handshake after STARTTLS succeeded: back to the initial state
+        (RFC 3207 section 4.2); the client must send EHLO again."""
+        if self.state is not State.TLS:
+            raise DecisionError("tls_established() without STARTTLS")
+        self.tls_active = True
+        self.state = State.INITIAL
+        self._esmtp = False
+        self._reset_transaction()
+        return []
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _peek_pending(self) -> Event:
+        event = self.pending
+        if event is None:
+            raise DecisionError("no decision is pending")
+        return event
+
+    def _send(self, reply: Reply) -> None:
+        self._out += reply.to_wire()
+        if reply.code == 421:
+            self.state = State.CLOSED
+
+    def _decide(self, event: Event, events: list[Event]) -> None:
+        events.append(event)
+        self.pending = event
+
+    def _reset_transaction(self) -> None:
+        self._smtputf8 = False
+        self._recipients = 0
+        if self.state in (State.MAIL, State.RCPT, State.DATA):
+            self.state = State.READY
+
+    def _process(self) -> list[Event]:
+        events: list[Event] = []
+        while self.pending is None and self.state not in (State.TLS, State.CLOSED):
+            if self.state is State.DATA:
+                if not self._data_step(events):
+                    break
+                continue
+            line = self._next_line()
+            if line is None:
+                break
+            try:
+                self._line(line, events)
+            except CommandError as error:
+                self._send(error.reply)
+        self._flush_chunk(events)
+        return events
+
+    def _next_line(self) -> str | None:
+        """The next complete command line, or None when more input is needed.
+
+        Over-long lines are answered 500 5.5.2 and skipped up to the next CRLF (RFC 5321
+        section 4.5.3.1.4); lines with a bare CR/LF, NUL or invalid UTF-8 are answered
+        500 5.5.2 here too.
+        """
+        buf = self._buffer
+        while True:
+            end = buf.find(_CRLF)
+            if self._discarding:
+                if end < 0:
+                    del buf[: len(buf) - 1 if buf.endswith(b"\r") else len(buf)]
+                    return None
+                del buf[: end + 2]
+                self._discarding = False
+                continue
+            if end < 0:
+                if len(buf) >= self.max_command_line:
+                    self._send(LINE_TOO_LONG)
+                    self._discarding = True
+                    continue
+                return None
+            raw = bytes(buf[:end])
+            del buf[: end + 2]
+            if end + 2 > self.max_command_line:
+                self._send(LINE_TOO_LONG)
+                continue
+            if b"\r" in raw or b"\n" in raw or b"\0" in raw:
+                self._send(BARE_NEWLINE_IN_COMMAND)
+                continue
+            try:
+                return raw.decode("utf-8")
+            except UnicodeDecodeError:
+                self._send(syntax_error("Invalid UTF-8 in command"))
+
+    def _line(self, line: str, events: list[Event]) -> None:
+        if self.state is State.AUTH:
+            self._auth_line(line, events)
+            return
+        verb, arg = split_command(line)
+        handler = _HANDLERS.get(verb)
+        if handler is None:
+            raise CommandError(syntax_error("Syntax error, command unrecognized"))
+        handler(self, arg, events)
+
+    # Command handlers: each checks the sequence (RFC 5321 4.1.4) then acts.
+
+    def _hello(self, verb: str, arg: str, events: list[Event]) -> None:
+        domain = arg.strip(" ")
+        if not domain or " " in domain:
+            raise CommandError(bad_arguments(f"Syntax: {verb} hostname"))
+        self._reset_transaction()  # RFC 5321 4.1.4: EHLO/HELO imply RSET
+        self.state = State.READY
+        self._esmtp = verb == "EHLO"
+        events.append(Hello(verb, domain))
+        if verb == "HELO":
+            self._send(Reply(250, (self.hostname,)))
+            return
+        lines = [
+            self.hostname,
+            "PIPELINING",  # RFC 2920
+            f"SIZE {self.max_message_size}",  # RFC 1870
+            "8BITMIME",  # RFC 6152
+            "ENHANCEDSTATUSCODES",  # RFC 2034
+            "SMTPUTF8",  # RFC 6531
+            "DSN",  # RFC 3461
+        ]
+        if self.tls_offered and not self.tls_active:
+            lines.append("STARTTLS")  # RFC 3207
+        if self.auth_offered and self.tls_active:
+            lines.append("AUTH " + " ".join(_AUTH_MECHANISMS))  # RFC 4954
+        self._send(Reply(250, tuple(lines)))
+
+    def _ehlo(self, arg: str, events: list[Event]) -> None:
+        self._hello("EHLO", arg, events)
+
+    def _helo(self, arg: str, events: list[Event]) -> None:
+        self._hello("HELO", arg, events)
+
+    def _mail(self, arg: str, events: list[Event]) -> None:
+        if self.state is State.INITIAL:
+            raise CommandError(BAD_SEQUENCE_HELLO)
+        if self.state in _IN_TRANSACTION:
+            raise CommandError(_NESTED_MAIL)
+        cmd = parse_mail(arg, esmtp=self._esmtp, max_size=self.max_message_size)
+        event = MailFrom(cmd.sender, cmd.size, cmd.body, cmd.smtputf8, cmd.ret, cmd.envid)
+        self._decide(event, events)
+
+    def _rcpt(self, arg: str, events: list[Event]) -> None:
+        if self.state not in _IN_TRANSACTION:
+            raise CommandError(BAD_SEQUENCE_HELLO if self.state is State.INITIAL else _NEED_MAIL)
+        cmd = parse_rcpt(arg, esmtp=self._esmtp, smtputf8=self._smtputf8)
+        if self._recipients >= self.max_recipients:
+            raise CommandError(TOO_MANY_RECIPIENTS)  # RFC 5321 4.5.3.1.10
+        self._decide(RcptTo(cmd.recipient, cmd.notify, cmd.orcpt), events)
+
+    def _data(self, arg: str, events: list[Event]) -> None:
+        _no_argument("DATA", arg)
+        if self.state is State.INITIAL:
+            raise CommandError(BAD_SEQUENCE_HELLO)
+        if self.state is State.READY:
+            raise CommandError(_NEED_MAIL)
+        if self.state is not State.RCPT:
+            raise CommandError(_NEED_RCPT)  # RFC 5321 3.3: no valid recipients
+        self._decide(DataStart(), events)
+
+    def _rset(self, arg: str, events: list[Event]) -> None:
+        _no_argument("RSET", arg)
+        self._reset_transaction()  # RFC 5321 4.1.1.5; the greeting state stays
+        events.append(Reset())
+        self._send(OK)
+
+    def _noop(self, arg: str, events: list[Event]) -> None:
+        self._send(OK)  # RFC 5321 4.1.1.9: a parameter is allowed and ignored
+
+    def _quit(self, arg: str, events: list[Event]) -> None:
+        _no_argument("QUIT", arg)
+        self._send(BYE)
+        self.state = State.CLOSED
+        self._buffer.clear()
+        events.append(Quit())
+
+    def _vrfy(self, arg: str, events: list[Event]) -> None:
+        if not arg.strip(" "):
+            raise CommandError(bad_arguments("Syntax: VRFY address"))
+        # RFC 5321 3.5.3: 252 when the address is not verified but mail will be tried.
+        self._send(_r(252, "Cannot VRFY user, but will accept message", 2, 0, 0))
+
+    def _expn(self, arg: str, events: list[Event]) -> None:
+        self._send(_r(502, "EXPN not implemented", 5, 5, 1))
+
+    def _help(self, arg: str, events: list[Event]) -> None:
+        self._send(_r(214, "See RFC 5321", 2, 0, 0))
+
+    def _starttls(self, arg: str, events: list[Event]) -> None:
+        _no_argument("STARTTLS", arg)
+        if not self.tls_offered:
+            raise CommandError(_r(502, "STARTTLS not available", 5, 5, 1))
+        if self.tls_active:
+            raise CommandError(_r(503, "TLS already active", 5, 5, 1))
+        if self.state is State.INITIAL:
+            raise CommandError(BAD_SEQUENCE_HELLO)
+        self._send(_r(220, "Ready to start TLS", 2, 0, 0))
+        self._reset_transaction()
+        self.state = State.TLS
+        # RFC 3207 4.2: nothing pipelined in plain text may survive into the TLS session.
+        self._buffer.clear()
+        events.append(StartTLS())
+
+    def _auth(self, arg: str, events: list[Event]) -> None:
+        if not self.auth_offered:
+            raise CommandError(_r(502, "AUTH not available", 5, 5, 1))
+        if not self.tls_active:
+            raise CommandError(_r(538, "Encryption required for AUTH", 5, 7, 11))  # 4954 6
+        if self.state is State.INITIAL:
+            raise CommandError(BAD_SEQUENCE_HELLO)
+        if self.authenticated or self.state is not State.READY:
+            # RFC 4954 section 4: not after a successful AUTH, not during a transaction.
+            raise CommandError(_r(503, "AUTH not allowed now", 5, 5, 1))
+        mechanism, _, initial = arg.strip(" ").partition(" ")
+        mechanism = mechanism.upper()
+        if not mechanism or " " in initial:
+            raise CommandError(bad_arguments("Syntax: AUTH mechanism [initial-response]"))
+        if mechanism not in _AUTH_MECHANISMS:
+            raise CommandError(_r(504, "Unrecognized authentication type", 5, 5, 4))
+        data = None
+        if initial:
+            # RFC 4954 section 4: "=" is an empty initial response.
+            data = b"" if initial == "=" else _b64(initial)
+        self._decide(AuthRequest(mechanism, data), events)
+
+    def _auth_line(self, line: str, events: list[Event]) -> None:
+        self.state = State.READY  # this step of the exchange is over, whatever comes
+        if line == "*":
+            raise CommandError(_r(501, "Authentication cancelled", 5, 0, 0))  # RFC 4954 4
+        self._decide(AuthResponse(_b64(line)), events)
+
+    # DATA
+
+    def _start_data(self) -> None:
+        self.state = State.DATA
+        self._line_start = True
+        self._line_len = 0
+        self._data_size = 0
+        self._fault = None
+
+    def _data_step(self, events: list[Event]) -> bool:
+        """Consume some buffered DATA bytes; False when more input is needed."""
+        buf = self._buffer
+        if self._line_start:
+            return self._data_line_start(events)
+        end = buf.find(_CRLF)
+        if end >= 0:
+            self._content(bytes(buf[:end]))
+            self._deliver(_CRLF)
+            del buf[: end + 2]
+            self._line_start = True
+            self._line_len = 0
+            return True
+        # Part of a line: hand it on, keeping a trailing CR that may start the CRLF.
+        take = len(buf) - 1 if buf.endswith(b"\r") else len(buf)
+        if take == 0:
+            return False
+        self._content(bytes(buf[:take]))
+        del buf[:take]
+        return True
+
+    def _data_line_start(self, events: list[Event]) -> bool:
+        """At the start of a text line: the end marker, a stuffed dot, or plain text."""
+        buf = self._buffer
+        if buf.startswith(_END_MARK):
+            del buf[:3]
+            self._end_data(events)
+            return True
+        if not buf or _END_MARK.startswith(buf):
+            return False  # "", "." or ".\r": wait for the next byte
+        if buf[0] == ord("."):
+            del buf[:1]  # RFC 5321 4.5.2: remove the stuffed dot
+        self._line_start = False
+        return True
+
+    def _content(self, part: bytes) -> None:
+        """Text inside a line (no line end): check for bare CR/LF and the line limit."""
+        if self._fault is not None:
+            return
+        cut, fault = len(part), None
+        bare = [i for i in (part.find(b"\r"), part.find(b"\n")) if i >= 0]
+        if bare:
+            cut, fault = min(bare), BARE_NEWLINE_IN_DATA
+        room = self.max_text_line - 2 - self._line_len
+        if room < cut:
+            cut, fault = room, TEXT_LINE_TOO_LONG
+        self._line_len += cut
+        self._deliver(part[:cut])
+        if fault is not None and self._fault is None:
+            self._fault = fault
+
+    def _deliver(self, data: bytes) -> None:
+        if self._fault is not None or not data:
+            return
+        room = self.max_message_size - self._data_size
+        if len(data) > room:
+            self._chunk += data[:room]
+            self._data_size += room
+            self._fault = MESSAGE_TOO_BIG
+            return
+        self._data_size += len(data)
+        self._chunk += data
+
+    def _flush_chunk(self, events: list[Event]) -> None:
+        if self._chunk:
+            events.append(DataChunk(bytes(self._chunk)))
+            self._chunk.clear()
+
+    def _end_data(self, events: list[Event]) -> None:
+        self._flush_chunk(events)
+        fault = self._fault
+        self._fault = None
+        self.state = State.READY
+        self._reset_transaction()
+        if fault is not None:
+            events.append(DataEnd(rejected=fault))
+            self._send(fault)
+        else:
+            self._decide(DataEnd(), events)
+
+
+def _no_argument(verb: str, arg: str) -> None:
+    if arg.strip(" "):
+        raise CommandError(bad_arguments(f"{verb} takes no argument"))
+
+
+def _b64(text: str) -> bytes:
+    try:
+        return base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError):
+        # RFC 4954 section 4: a response that is not base64 is answered 501.
+        raise CommandError(_r(501, "Invalid base64 data", 5, 5, 2)) from None
+
+
+_DEFAULT_ACCEPT: Final[dict[type[Event], Reply]] = {
+    MailFrom: SENDER_OK,
+    RcptTo: RECIPIENT_OK,
+    DataStart: START_INPUT,
+    DataEnd: QUEUED,
+    AuthRequest: AUTH_OK,
+    AuthResponse: AUTH_OK,
+}
+
+_HANDLERS: Final = {
+    "EHLO": ServerConnection._ehlo,
+    "HELO": ServerConnection._helo,
+    "MAIL": ServerConnection._mail,
+    "RCPT": ServerConnection._rcpt,
+    "DATA": ServerConnection._data,
+    "RSET": ServerConnection._rset,
+    "NOOP": ServerConnection._noop,
+    "QUIT": ServerConnection._quit,
+    "VRFY": ServerConnection._vrfy,
+    "EXPN": ServerConnection._expn,
+    "HELP": ServerConnection._help,
+    "STARTTLS": ServerConnection._starttls,
+    "AUTH": ServerConnection._auth,
+}
