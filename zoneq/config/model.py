@@ -21,6 +21,7 @@ and a field on ``Config``; the loader's error mapping is generic over the model 
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 from pathlib import Path
@@ -51,6 +52,7 @@ __all__ = [
     "Config",
     "Duration",
     "HostName",
+    "ReceiverConfig",
     "RoutingConfig",
     "ServerConfig",
     "StorageConfig",
@@ -332,6 +334,78 @@ class RoutingConfig(_Section):
         return parse_duration(self.delay_warning)
 
 
+def _check_listen(value: str) -> str:
+    try:
+        split_listen(value)
+    except ValueError as exc:
+        raise PydanticCustomError("listen", "{reason}", {"reason": str(exc)}) from None
+    return value
+
+
+def split_listen(value: str) -> tuple[str, int]:
+    """``"host:port"`` (``"[::1]:25"`` for IPv6) as ``(host, port)``; ``ValueError`` if not."""
+    host, colon, port_text = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not colon or not host or not port_text.isascii() or not port_text.isdigit():
+        raise ValueError(f"invalid listen address {value!r}: expected 'host:port'")
+    port = int(port_text)
+    if port > 65535:
+        raise ValueError(f"invalid listen address {value!r}: port must be 0-65535")
+    return host, port
+
+
+def _check_network(value: str) -> str:
+    try:
+        ipaddress.ip_network(value)
+    except ValueError as exc:
+        reason = f"invalid network {value!r}: {exc} (expected CIDR, e.g. '192.0.2.0/24')"
+        raise PydanticCustomError("network", "{reason}", {"reason": reason}) from None
+    return value
+
+
+ListenAddress = Annotated[str, AfterValidator(_check_listen)]
+"""``host:port`` to listen on; ``[::1]:25`` for IPv6; port 0 picks a free port (tests)."""
+
+Network = Annotated[str, AfterValidator(_check_network)]
+"""An IP network in CIDR notation, host bits zero: ``"192.0.2.0/24"``, ``"::1/128"``."""
+
+
+class ReceiverConfig(_Section):
+    """``[receiver]``: the SMTP server that accepts mail into the queue."""
+
+    listen: ListenAddress = "127.0.0.1:2525"
+    """Address and port the SMTP receiver listens on."""
+
+    max_message_size: ByteSize = ByteSize(50 << 20)
+    """Largest message accepted (announced as SIZE, RFC 1870); larger ones get 552 5.3.4."""
+
+    max_recipients: Annotated[int, Field(ge=1, le=100_000)] = 1000
+    """Recipients per message; more are answered 452 4.5.3 (RFC 5321 4.5.3.1.10)."""
+
+    allow_networks: list[Network] = Field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
+    """Clients allowed to relay (send to any domain); others get 554 5.7.1 at RCPT."""
+
+    idle_timeout: Duration = "5m"
+    """A client silent this long while we wait for a command is disconnected with 421
+    (RFC 5321 4.5.3.2.7 asks for at least 5 minutes)."""
+
+    max_connections_per_client: Annotated[int, Field(ge=1)] = 50
+    """Concurrent sessions from one client address; more are answered 421 4.7.0."""
+
+    @property
+    def listen_address(self) -> tuple[str, int]:
+        return split_listen(self.listen)
+
+    @property
+    def idle_timeout_s(self) -> float:
+        return parse_duration(self.idle_timeout) / 1000
+
+    @property
+    def networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        return tuple(ipaddress.ip_network(network) for network in self.allow_networks)
+
+
 def _no_zones_is_an_error(zones: dict[str, ZoneConfig]) -> dict[str, ZoneConfig]:
     if not zones:
         raise PydanticCustomError(
@@ -354,6 +428,7 @@ class Config(_Section):
     ] = Field(default_factory=dict)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     delivery: DeliveryConfig = Field(default_factory=DeliveryConfig)
+    receiver: ReceiverConfig = Field(default_factory=ReceiverConfig)
 
     @model_validator(mode="after")
     def _check_references(self) -> Self:

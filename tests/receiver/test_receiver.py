@@ -1,0 +1,655 @@
+"""The SMTP receiver against a real queue: what a client is told, and what is stored.
+
+Every test opens a real LevelDB queue under ``tmp_path`` and a receiver on 127.0.0.1 with
+port 0; clients are aiosmtplib, a raw socket (for what a well-behaved client never sends),
+and swaks.  pytest-asyncio is not installed: each test body runs under ``asyncio.run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiosmtplib
+import pytest
+
+from tests.support.testbed import missing
+from zoneq.config.model import Config
+from zoneq.errors import StorageUnavailable
+from zoneq.protocol.ids import parse_id
+from zoneq.receiver import SmtpReceiver
+from zoneq.receiver.message import received_header, scan_headers
+from zoneq.storage import keys
+from zoneq.storage.leveldb import Database, Op
+from zoneq.storage.space import SpaceGuard
+from zoneq.storage.store import QueueStore
+
+T0 = 1_700_000_000_000
+TIMEOUT = 60.0
+
+Body = Callable[[SmtpReceiver, QueueStore], Awaitable[None]]
+
+
+class FailingSyncs(Database):
+    """A real database whose synced writes (the commits) fail while ``fail_syncs`` is set."""
+
+    fail_syncs = False
+
+    def write(self, ops: Sequence[Op], *, sync: bool) -> None:
+        if sync and self.fail_syncs:
+            raise StorageUnavailable("injected: sync failed")
+        super().write(ops, sync=sync)
+
+
+def make_config(**receiver: Any) -> Config:
+    receiver.setdefault("listen", "127.0.0.1:0")
+    return Config.model_validate(
+        {
+            "server": {"hostname": "mx.zoneq.test"},
+            "zones": {"default": {}, "bounces": {}},
+            "receiver": receiver,
+        }
+    )
+
+
+def run(tmp_path: Path, body: Body, *, db: type[Database] = Database, **receiver: Any) -> None:
+    """Open a queue and a receiver, run ``body``, close both (bounded in time)."""
+
+    async def main() -> None:
+        store = QueueStore(db(tmp_path / "queue"))
+        store.recover()
+        rx = SmtpReceiver(store, make_config(**receiver), clock=lambda: T0)
+        await rx.start()
+        try:
+            await asyncio.wait_for(body(rx, store), TIMEOUT)
+        finally:
+            await rx.close()
+            await store.close()
+
+    asyncio.run(main())
+
+
+class Raw:
+    """A raw SMTP client: sends exactly the bytes given, reads whole replies."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def connect(cls, port: int, host: str = "127.0.0.1") -> Raw:
+        reader, writer = await asyncio.open_connection(host, port)
+        return cls(reader, writer)
+
+    async def reply(self) -> str:
+        """One reply (all its lines), e.g. ``"250 2.1.0 Sender OK"``; "" at EOF."""
+        lines: list[str] = []
+        while True:
+            line = await asyncio.wait_for(self.reader.readline(), 10)
+            if not line:
+                return "\n".join(lines)
+            text = line.decode().rstrip("\r\n")
+            lines.append(text)
+            if text[3:4] != "-":
+                return "\n".join(lines)
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def cmd(self, line: str) -> str:
+        await self.send(line.encode() + b"\r\n")
+        return await self.reply()
+
+    async def start(self, rcpt: str = "a@b.test", mail: str = "MAIL FROM:<c@d.test>") -> None:
+        """Greeting, EHLO, MAIL, RCPT and DATA, each expected to succeed."""
+        assert (await self.reply()).startswith("220 ")
+        assert (await self.cmd("EHLO client.test")).startswith("250")
+        assert (await self.cmd(mail)).startswith("250 ")
+        assert (await self.cmd(f"RCPT TO:<{rcpt}>")).startswith("250 ")
+        assert (await self.cmd("DATA")).startswith("354 ")
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            await asyncio.wait_for(self.writer.wait_closed(), 5)
+
+
+def queued_id(reply: str) -> int:
+    assert reply.startswith("250 2.0.0 Ok: queued as "), reply
+    return parse_id(reply.rsplit(" ", 1)[1])
+
+
+def leftovers(store: QueueStore) -> list[bytes]:
+    """Every message and receiving key on disk."""
+    db = store.database
+    return [*db.keys(prefix=keys.MESSAGE), *db.keys(prefix=keys.RECEIVING)]
+
+
+async def nothing_left(store: QueueStore) -> None:
+    """Wait (bounded) for abandons to land, then sweep: no message key may remain."""
+    for _ in range(200):
+        await store.drain()
+        if not leftovers(store):
+            break
+        await asyncio.sleep(0.02)
+    await store.sweep(T0 + 3_600_000, 1)
+    await store.drain()
+    assert leftovers(store) == []
+
+
+MESSAGE = (
+    b"From: Sender <c@d.test>\r\n"
+    b"To: a@b.test\r\n"
+    b"Subject: Hello there\r\n"
+    b"Message-ID: <m1@d.test>\r\n"
+    b"\r\n"
+    b"first line\r\n"
+    b".a line starting with a dot\r\n"
+    b"last line\r\n"
+)
+
+
+def stored_body(store: QueueStore, msg_id: int) -> bytes:
+    return b"".join(store.body(msg_id))
+
+
+def split_received(body: bytes) -> tuple[bytes, bytes]:
+    """(our Received field, the rest)."""
+    assert body.startswith(b"Received: from ")
+    end = body.index(b"\r\n")
+    while body[end + 2 : end + 3] in (b" ", b"\t"):
+        end = body.index(b"\r\n", end + 2)
+    return body[: end + 2], body[end + 2 :]
+
+
+# --- accepted mail --------------------------------------------------------------------------
+
+
+def test_aiosmtplib_message_is_queued_with_meta_and_recipients(tmp_path: Path) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        errors, reply = await aiosmtplib.send(
+            MESSAGE,
+            sender="c@d.test",
+            recipients=["a@b.test", "x@y.test"],
+            hostname="127.0.0.1",
+            port=rx.port,
+            local_hostname="client.test",
+            start_tls=False,
+        )
+        assert errors == {}
+        msg_id = parse_id(reply.rsplit(" ", 1)[1])
+        assert reply.startswith("2.0.0 Ok: queued as ")
+        received, rest = split_received(stored_body(store, msg_id))
+        assert rest == MESSAGE
+        text = " ".join(received.decode().split())  # unfolded
+        assert "from client.test ([127.0.0.1])" in text
+        assert "by mx.zoneq.test (zoneq) with ESMTP id" in text
+        assert " for " not in text  # two recipients: neither is disclosed
+        assert all(len(line) <= 78 for line in received.decode().split("\r\n"))
+        meta = store.message(msg_id)
+        assert meta.sender == "c@d.test"
+        assert meta.size == len(received) + len(MESSAGE)
+        assert meta.chunks == 1
+        assert meta.received_ms == T0
+        assert meta.headers == {
+            "From": "Sender <c@d.test>",
+            "Subject": "Hello there",
+            "Message-ID": "<m1@d.test>",
+        }
+        assert meta.source == {"client": "127.0.0.1", "helo": "client.test", "protocol": "smtp"}
+        assert meta.zones == ("default",)
+        rcpts = sorted((r.recipient.address, r.recipient.zone) for r in store.recipients(msg_id))
+        assert rcpts == [("a@b.test", "default"), ("x@y.test", "default")]
+        assert not list(store.database.keys(prefix=keys.RECEIVING))
+
+    run(tmp_path, body)
+
+
+def test_multi_chunk_body_is_stored_in_order(tmp_path: Path) -> None:
+    lines = b"".join(b"line %06d " % i + b"x" * 60 + b"\r\n" for i in range(4300))
+    message = b"Subject: big\r\n\r\n" + lines
+    assert len(message) > 300 * 1024
+
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        smtp = aiosmtplib.SMTP(hostname="127.0.0.1", port=rx.port, start_tls=False)
+        async with smtp:
+            _, reply = await smtp.sendmail("c@d.test", ["a@b.test"], message)
+        msg_id = parse_id(reply.rsplit(" ", 1)[1])
+        meta = store.message(msg_id)
+        chunks = list(store.body(msg_id))
+        assert meta.chunks == len(chunks) == -(-meta.size // 65_536) >= 5
+        assert all(len(chunk) == 65_536 for chunk in chunks[:-1])
+        received, rest = split_received(b"".join(chunks))
+        assert rest == message
+        assert b"for <a@b.test>;" in received  # one recipient: named
+        assert meta.size == len(received) + len(message)
+
+    run(tmp_path, body)
+
+
+def test_dsn_parameters_are_stored(tmp_path: Path) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        smtp = aiosmtplib.SMTP(hostname="127.0.0.1", port=rx.port, start_tls=False)
+        async with smtp:
+            _, reply = await smtp.sendmail(
+                "c@d.test",
+                ["a@b.test"],
+                MESSAGE,
+                mail_options=["RET=HDRS", "ENVID=QQ314159", "BODY=8BITMIME"],
+                rcpt_options=["NOTIFY=DELAY,FAILURE", "ORCPT=rfc822;orig+2Bx@b.test"],
+            )
+        msg_id = parse_id(reply.rsplit(" ", 1)[1])
+        meta = store.message(msg_id)
+        assert (meta.ret, meta.envid, meta.body_8bit, meta.smtputf8) == (
+            "HDRS",
+            "QQ314159",
+            True,
+            False,
+        )
+        [queued] = store.recipients(msg_id)
+        assert queued.recipient.notify == ("FAILURE", "DELAY")
+        assert queued.recipient.orcpt == "rfc822;orig+2Bx@b.test"
+
+    run(tmp_path, body)
+
+
+def test_pipelined_transactions_on_one_connection(tmp_path: Path) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.connect(rx.port)
+        assert (await raw.reply()).startswith("220 mx.zoneq.test ESMTP")
+        one = b"MAIL FROM:<c@d.test>\r\nRCPT TO:<a@b.test>\r\nDATA\r\n"
+        await raw.send(b"EHLO client.test\r\n" + one)
+        replies = [await raw.reply() for _ in range(4)]
+        assert [r[:3] for r in replies] == ["250", "250", "250", "354"]
+        await raw.send(b"Subject: 1\r\n\r\none\r\n.\r\n" + one + b"two\r\n.\r\nQUIT\r\n")
+        first = queued_id(await raw.reply())
+        assert [(await raw.reply())[:3] for _ in range(3)] == ["250", "250", "354"]
+        second = queued_id(await raw.reply())
+        assert (await raw.reply()).startswith("221")
+        await raw.close()
+        assert split_received(stored_body(store, first))[1] == b"Subject: 1\r\n\r\none\r\n"
+        assert split_received(stored_body(store, second))[1] == b"two\r\n"
+        assert store.message(second).headers == {}
+
+    run(tmp_path, body)
+
+
+# --- size limits ----------------------------------------------------------------------------
+
+
+def test_declared_size_over_the_limit_is_refused_at_mail(tmp_path: Path) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.connect(rx.port)
+        await raw.reply()
+        assert "SIZE 10000" in await raw.cmd("EHLO client.test")
+        assert (await raw.cmd("MAIL FROM:<c@d.test> SIZE=10001")).startswith("552 5.3.4")
+        assert (await raw.cmd("MAIL FROM:<c@d.test> SIZE=100")).startswith("250 ")
+        await raw.cmd("QUIT")
+        await raw.close()
+        await nothing_left(store)
+
+    run(tmp_path, body, max_message_size=10_000)
+
+
+def test_undeclared_oversize_message_is_refused_after_data(tmp_path: Path) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.connect(rx.port)
+        await raw.start()
+        await raw.send(
+            b"Subject: big\r\n\r\n" + b"y" * 998 + b"\r\n" * 1 + (b"z" * 500 + b"\r\n") * 400
+        )
+        assert (await raw.cmd(".")).startswith("552 5.3.4")
+        assert (await raw.cmd("QUIT")).startswith("221")
+        await raw.close()
+        await nothing_left(store)
+
+    # Above one chunk, so chunks were written before the limit was hit.
+    run(tmp_path, body, max_message_size=100_000)
+
+
+# --- smuggling ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sequence", [b"\n.\n", b"\n.\r\n", b"\r.\r", b"\r\n.\n"])
+def test_smuggling_sequences_never_end_data(tmp_path: Path, sequence: bytes) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.connect(rx.port)
+        await raw.start()
+        smuggled = (
+            b"MAIL FROM:<evil@d.test>\r\nRCPT TO:<victim@b.test>\r\nDATA\r\n"
+            b"Subject: smuggled\r\n\r\nsmuggled\r\n.\r\n"
+        )
+        await raw.send(b"Subject: outer\r\n\r\nhello" + sequence + smuggled + b"QUIT\r\n")
+        replies = [await raw.reply() for _ in range(2)]
+        assert replies[0].startswith("554 5.6.0"), replies
+        assert replies[1].startswith("221"), replies
+        assert await raw.reply() == ""
+        await raw.close()
+        await nothing_left(store)
+
+    run(tmp_path, body)
+
+
+# --- relay and addresses --------------------------------------------------------------------
+
+
+def test_client_outside_allow_networks_may_not_relay(tmp_path: Path) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.connect(rx.port)
+        await raw.reply()
+        await raw.cmd("EHLO client.test")
+        assert (await raw.cmd("MAIL FROM:<c@d.test>")).startswith("250 ")
+        reply = await raw.cmd("RCPT TO:<a@b.test>")
+        assert reply.startswith("554 5.7.1 Relay access denied"), reply
+        assert (await raw.cmd("DATA")).startswith("503")
+        await raw.cmd("QUIT")
+        await raw.close()
+        await nothing_left(store)
+
+    run(tmp_path, body, allow_networks=["127.0.0.2/32"])
+
+
+def test_percent_hack_is_refused_even_for_allowed_clients(tmp_path: Path) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.connect(rx.port)
+        await raw.reply()
+        await raw.cmd("EHLO client.test")
+        await raw.cmd("MAIL FROM:<c@d.test>")
+        assert (await raw.cmd("RCPT TO:<user%elsewhere.test@b.test>")).startswith("550 5.7.1")
+        assert (await raw.cmd("RCPT TO:<user@b.test>")).startswith("250 ")
+        assert (await raw.cmd("RSET")).startswith("250")
+        await raw.cmd("QUIT")
+        await raw.close()
+        await nothing_left(store)
+
+    run(tmp_path, body)
+
+
+# --- local faults: 4xx, never 5xx, never 250 before the commit -----------------------------
+
+
+def test_queue_below_its_free_space_floor_answers_452_at_mail(tmp_path: Path) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        store.space = SpaceGuard(tmp_path / "queue", min_free=1 << 62)
+        raw = await Raw.connect(rx.port)
+        await raw.reply()
+        await raw.cmd("EHLO client.test")
+        assert (await raw.cmd("MAIL FROM:<c@d.test>")).startswith("452 4.3.1")
+        await raw.cmd("QUIT")
+        await raw.close()
+        assert leftovers(store) == []
+
+    run(tmp_path, body)
+
+
+def test_commit_failure_answers_451_and_stores_nothing(tmp_path: Path) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        db = store.database
+        assert isinstance(db, FailingSyncs)
+        db.fail_syncs = True
+        raw = await Raw.connect(rx.port)
+        await raw.start()
+        await raw.send(MESSAGE)
+        reply = await raw.cmd(".")
+        assert reply.startswith("451 4.3.0"), reply
+        db.fail_syncs = False
+        # The session goes on; the next message is accepted once the queue has recovered.
+        assert (await raw.cmd("MAIL FROM:<c@d.test>")).startswith(("250", "451"))
+        await raw.cmd("QUIT")
+        await raw.close()
+        assert not list(store.database.keys(prefix=keys.READY))
+        for _ in range(200):  # the store reopens itself on its next operation
+            if store.failure is None:
+                break
+            try:
+                store.begin(T0)
+            except StorageUnavailable:
+                await asyncio.sleep(0.05)
+        await nothing_left(store)
+
+    run(tmp_path, body, db=FailingSyncs)
+
+
+class GatedSyncs(Database):
+    """Synced writes (commits) wait for ``gate``; ``entered`` is set when one starts."""
+
+    gate = threading.Event()
+    entered = threading.Event()
+
+    def write(self, ops: Sequence[Op], *, sync: bool) -> None:
+        if sync:
+            self.entered.set()
+            assert self.gate.wait(20), "test never opened the gate"
+        super().write(ops, sync=sync)
+
+
+def test_no_250_before_the_commit_and_other_sessions_go_on(tmp_path: Path) -> None:
+    GatedSyncs.gate = threading.Event()
+    GatedSyncs.entered = threading.Event()
+
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        a = await Raw.connect(rx.port)
+        await a.start()
+        await a.send(MESSAGE + b".\r\n")
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, GatedSyncs.entered.wait, 10)
+        pending = asyncio.ensure_future(a.reply())
+        # While A's commit syncs, B is served.
+        b = await Raw.connect(rx.port)
+        assert (await b.reply()).startswith("220")
+        assert (await b.cmd("EHLO other.test")).startswith("250")
+        assert (await b.cmd("MAIL FROM:<c@d.test>")).startswith("250")
+        assert not pending.done()  # no 250 before the commit returned
+        GatedSyncs.gate.set()
+        queued_id(await pending)
+        await b.cmd("QUIT")
+        await a.cmd("QUIT")
+        await a.close()
+        await b.close()
+
+    try:
+        run(tmp_path, body, db=GatedSyncs)
+    finally:
+        GatedSyncs.gate.set()
+
+
+def test_chunk_write_failure_answers_451_at_the_dot(tmp_path: Path) -> None:
+    class FailingChunks(Database):
+        def write(self, ops: Sequence[Op], *, sync: bool) -> None:
+            if any(key.startswith(keys.MESSAGE) for key, _ in ops) and not sync:
+                raise StorageUnavailable("injected: chunk write failed")
+            super().write(ops, sync=sync)
+
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.connect(rx.port)
+        await raw.start()
+        await raw.send((b"w" * 998 + b"\r\n") * 100)
+        reply = await raw.cmd(".")
+        assert reply.startswith("451 4.3.0"), reply
+        await raw.cmd("QUIT")
+        await raw.close()
+        assert not list(store.database.keys(prefix=keys.READY))
+
+    run(tmp_path, body, db=FailingChunks)
+
+
+# --- loops ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("hops", "accepted"), [(50, True), (51, False)])
+def test_received_fields_over_50_are_a_loop(tmp_path: Path, hops: int, accepted: bool) -> None:
+    trace = b"".join(
+        b"Received: from h%d.test by h%d.test; Tue, 1 Jan 2030\r\n" % (i, i + 1)
+        for i in range(hops)
+    )
+
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.connect(rx.port)
+        await raw.start()
+        await raw.send(trace + MESSAGE)
+        reply = await raw.cmd(".")
+        if accepted:
+            queued_id(reply)
+        else:
+            assert reply.startswith("554 5.4.6"), reply
+            await nothing_left(store)
+        await raw.cmd("QUIT")
+        await raw.close()
+
+    run(tmp_path, body)
+
+
+# --- the session ends -----------------------------------------------------------------------
+
+
+def test_client_dropping_mid_data_leaves_nothing(tmp_path: Path) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.connect(rx.port)
+        await raw.start()
+        await raw.send(b"Subject: cut\r\n\r\n" + (b"q" * 998 + b"\r\n") * 200)  # > 3 chunks
+        for _ in range(200):  # until at least one chunk is on disk
+            if list(store.database.keys(prefix=keys.RECEIVING)):
+                break
+            await asyncio.sleep(0.02)
+        await raw.close()
+        await nothing_left(store)
+
+    run(tmp_path, body)
+
+
+def test_close_answers_421_to_waiting_sessions_and_abandons_data(tmp_path: Path) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        idle = await Raw.connect(rx.port)
+        await idle.reply()
+        await idle.cmd("EHLO client.test")
+        mid = await Raw.connect(rx.port)
+        await mid.start()
+        await mid.send(b"Subject: half\r\n\r\n" + (b"h" * 998 + b"\r\n") * 80)
+        for _ in range(200):
+            if list(store.database.keys(prefix=keys.RECEIVING)):
+                break
+            await asyncio.sleep(0.02)
+        await rx.close()
+        assert (await idle.reply()).startswith("421 4.3.2")
+        assert (await mid.reply()).startswith("421 4.3.2")
+        await idle.close()
+        await mid.close()
+        await nothing_left(store)
+        with pytest.raises(OSError):
+            await Raw.connect(rx.port)
+
+    run(tmp_path, body)
+
+
+def test_connections_per_client_are_limited(tmp_path: Path) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        first = await Raw.connect(rx.port)
+        assert (await first.reply()).startswith("220")
+        second = await Raw.connect(rx.port)
+        assert (await second.reply()).startswith("421 4.7.0")
+        await second.close()
+        await first.cmd("QUIT")
+        await first.close()
+        for _ in range(200):  # the slot frees once the first session has ended
+            third = await Raw.connect(rx.port)
+            greeting = await third.reply()
+            await third.close()
+            if greeting.startswith("220"):
+                break
+            await asyncio.sleep(0.02)
+        assert greeting.startswith("220")
+
+    run(tmp_path, body, max_connections_per_client=1)
+
+
+def test_idle_client_is_disconnected_with_421(tmp_path: Path) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.connect(rx.port)
+        await raw.reply()
+        assert (await raw.reply()).startswith("421 4.4.2")
+        assert await raw.reply() == ""
+        await raw.close()
+
+    run(tmp_path, body, idle_timeout="1s")
+
+
+# --- swaks ----------------------------------------------------------------------------------
+
+
+def test_swaks_pipelined_session(tmp_path: Path) -> None:
+    swaks = shutil.which("swaks")
+    if swaks is None:
+        missing("swaks is not installed")
+    assert swaks is not None
+
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        proc = await asyncio.create_subprocess_exec(
+            swaks,
+            "--server",
+            f"127.0.0.1:{rx.port}",
+            "--to",
+            "a@b.test",
+            "--from",
+            "c@d.test",
+            "--pipeline",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "LC_ALL": "C"},
+        )
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), 30)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        assert proc.returncode == 0, out.decode(errors="replace")
+        [line] = [x for x in out.decode().splitlines() if "queued as" in x]
+        msg_id = parse_id(line.rsplit(" ", 1)[1])
+        assert store.message(msg_id).sender == "c@d.test"
+        assert [r.recipient.address for r in store.recipients(msg_id)] == ["a@b.test"]
+        assert split_received(stored_body(store, msg_id))[1].startswith(b"Date: ")
+
+    run(tmp_path, body)
+
+
+# --- the pure helpers -----------------------------------------------------------------------
+
+
+def test_received_header_folds_and_quotes() -> None:
+    header = received_header(
+        helo="evil(;)\u00e9",
+        client_ip="2001:db8::1",
+        hostname="mx.zoneq.test",
+        protocol="UTF8SMTP",
+        msg_id="0123456789abcdef",
+        recipient="someone.with.a.long.name@a-rather-long-domain-name.example",
+        now_ms=T0,
+    ).decode()
+    assert header.endswith("\r\n")
+    assert header.startswith("Received: from evil???? ([IPv6:2001:db8::1])")
+    lines = header[:-2].split("\r\n")
+    assert all(len(line) <= 78 for line in lines)
+    assert all(line.startswith("\t") for line in lines[1:])
+    unfolded = " ".join(header.split())
+    assert unfolded.endswith(
+        "for <someone.with.a.long.name@a-rather-long-domain-name.example>;"
+        " Tue, 14 Nov 2023 22:13:20 +0000"
+    )
+
+
+def test_scan_headers() -> None:
+    scan = scan_headers(
+        b"Received: a\r\n\tb\r\nsubject: folded\r\n  subject\r\nReceived: c\r\n\r\nFrom: body\r\n"
+    )
+    assert scan.received == 2
+    assert scan.headers == {"Subject": "folded subject"}
+    # Cut mid-section: the incomplete last line is not read.
+    assert scan_headers(b"From: a@b\r\nSubject: cut sho").headers == {"From": "a@b"}
+    assert scan_headers(b"\r\nFrom: not a header\r\n").headers == {}

@@ -1,0 +1,140 @@
+"""What the receiver adds to and reads from a message: the trace header and a few headers.
+
+Pure: no I/O, no clock (the caller passes the time).
+
+* ``received_header`` builds the ``Received:`` trace field that RFC 5321 section 4.4
+  requires of every SMTP server that accepts a message, folded (RFC 5322 section 2.2.3) so
+  that no line is over 78 characters where a break is possible.
+* ``HeaderScan`` reads the header section at the start of the message text (the first
+  stored chunk): the number of ``Received:`` fields, for loop detection (RFC 5321 section
+  6.3), and Message-ID, Subject and From, for people browsing the queue.  Only what is in
+  that chunk is seen: a header section longer than a chunk is cut there, which loses at
+  most the browsing headers and a loop count past 50 fields of ~1.3 KiB each.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from email.utils import format_datetime
+from typing import Final
+
+__all__ = ["MAX_RECEIVED", "HeaderScan", "address_literal", "received_header", "scan_headers"]
+
+MAX_RECEIVED: Final = 50
+"""More ``Received:`` fields than this and the message is taken to be looping (554 5.4.6).
+
+RFC 5321 section 6.3 suggests a limit "large enough" to be safe (at least 100 is a common
+reading, Postfix uses 50 by default with hopcount_limit); zoneq follows Postfix."""
+
+_FOLD_WIDTH: Final = 78
+_BROWSED: Final = {"message-id": "Message-ID", "subject": "Subject", "from": "From"}
+_MAX_VALUE: Final = 998  # RFC 5322 section 2.1.1: what one line may hold
+
+
+def address_literal(ip: str) -> str:
+    """RFC 5321 section 4.1.3: ``[192.0.2.1]``, ``[IPv6:2001:db8::1]``."""
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return "[" + _clean(ip) + "]"
+    if address.version == 6:
+        return f"[IPv6:{address.compressed}]"
+    return f"[{address}]"
+
+
+def _clean(text: str) -> str:
+    """Peer-supplied text made safe inside the trace field: printable ASCII other than the
+    characters that delimit its clauses (comments, the date separator)."""
+    return "".join(c if 33 <= ord(c) < 127 and c not in "()\\;<>" else "?" for c in text)
+
+
+def received_header(
+    *,
+    helo: str,
+    client_ip: str,
+    hostname: str,
+    protocol: str,
+    msg_id: str,
+    recipient: str | None,
+    now_ms: int,
+) -> bytes:
+    """The ``Received:`` field, CRLF-terminated (RFC 5321 section 4.4, RFC 5322 3.6.7).
+
+    ``recipient`` is given only when the message has exactly one (section 7.2: listing
+    several would disclose the others).  ``protocol`` is ``SMTP``, ``ESMTP`` or
+    ``UTF8SMTP`` (RFC 3848, RFC 6531 section 3.7.3).
+    """
+    when = format_datetime(datetime.fromtimestamp(now_ms / 1000, tz=UTC))
+    parts = [
+        "Received:",
+        "from",
+        _clean(helo) or "unknown",
+        f"({address_literal(client_ip)})",
+        "by",
+        _clean(hostname),
+        "(zoneq)",
+        "with",
+        protocol,
+        "id",
+        msg_id + ("" if recipient else ";"),
+    ]
+    if recipient:
+        parts += ["for", f"<{recipient}>;"]
+    parts += when.split(" ")
+    return _fold(parts).encode("utf-8") + b"\r\n"
+
+
+def _fold(words: list[str]) -> str:
+    """Join words with spaces, breaking before a word that would pass the width."""
+    lines: list[str] = []
+    line = ""
+    for word in words:
+        if not line:
+            line = word
+        elif len(line) + 1 + len(word) <= _FOLD_WIDTH:
+            line += " " + word
+        else:
+            lines.append(line)
+            line = "\t" + word
+    lines.append(line)
+    return "\r\n".join(lines)
+
+
+@dataclass(slots=True)
+class HeaderScan:
+    """What ``scan_headers`` found: Received fields counted, and the browsing headers."""
+
+    received: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def scan_headers(text: bytes) -> HeaderScan:
+    """Read the header section at the start of ``text`` (up to the first empty line, or
+    the last complete line of ``text`` when the section goes on past it)."""
+    end = text.find(b"\r\n\r\n")
+    if end >= 0:
+        section = text[: end + 2]
+    elif text.startswith(b"\r\n"):
+        section = b""  # no header section at all
+    else:
+        section = text[: text.rfind(b"\r\n") + 2] if b"\r\n" in text else b""
+    scan = HeaderScan()
+    fields: list[bytes] = []
+    for line in section.split(b"\r\n")[:-1]:
+        if line[:1] in (b" ", b"\t") and fields:
+            fields[-1] += b" " + line.strip(b" \t")  # unfold (RFC 5322 section 2.2.3)
+        else:
+            fields.append(line)
+    for raw in fields:
+        name, colon, value = raw.partition(b":")
+        if not colon:
+            continue
+        key = name.strip(b" \t").decode("ascii", "replace").lower()
+        if key == "received":
+            scan.received += 1
+        elif key in _BROWSED and _BROWSED[key] not in scan.headers:
+            text_value = value.strip(b" \t").decode("utf-8", "replace")
+            scan.headers[_BROWSED[key]] = text_value[:_MAX_VALUE]
+    return scan
