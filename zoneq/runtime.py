@@ -6,7 +6,9 @@ recipient is ready again; uncommitted chunks are swept); the queue service serve
 workers over the IPC socket; the supervisor starts ``processes`` workers per zone and
 restarts the ones that die; deferred recipients are promoted when due; and maintenance runs
 while the process lives (orphan sweeps, event retention, compaction, the disk reserve).
-The SMTP receiver and the admin API attach here as they are built.
+The SMTP receiver accepts mail on ``receiver.listen`` and is the first thing stopped on
+SIGTERM (sessions get 421, messages mid-DATA are abandoned); the admin API attaches here
+as it is built.
 
 This is the one place that reads the wall clock for the queue: every store operation
 takes ``now_ms`` from here, so the store and the protocol core stay testable.
@@ -26,6 +28,7 @@ from zoneq.errors import StorageUnavailable
 from zoneq.ipc.core import QueueHandler
 from zoneq.ipc.server import IpcServer
 from zoneq.queue.service import QueueService
+from zoneq.receiver.server import SmtpReceiver
 from zoneq.storage.records import State
 from zoneq.storage.store import QueueStore
 from zoneq.supervisor import Supervisor
@@ -97,6 +100,9 @@ async def serve(config: Config, config_path: Path | None = None) -> None:
     )
     server = IpcServer(Path(config.server.ipc_socket), QueueHandler(service, set(config.zones)))
     await server.start()
+    receiver = SmtpReceiver(store, config, clock=now_ms)
+    await receiver.start()
+    log.info("accepting SMTP on %s", config.receiver.listen)
     supervisor = Supervisor(
         {name: zone.processes for name, zone in config.zones.items()}, config_path
     )
@@ -109,6 +115,7 @@ async def serve(config: Config, config_path: Path | None = None) -> None:
                 await asyncio.wait_for(stop.wait(), config.storage.sweep_interval_ms / 1000)
     finally:
         log.info("stopping: %s", describe(store))
+        await receiver.close()  # first: no new mail while the rest winds down
         await supervisor.stop()
         await server.close()
         promoter.cancel()

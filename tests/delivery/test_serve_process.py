@@ -382,3 +382,40 @@ def test_sigterm_under_load_stops_within_30_s_and_a_restart_delivers_the_rest(
     assert len(ids) == count  # finished jobs were reported before exit: no duplicates
     assert state.messages == 0, state.counters
     assert state.counters == state.recount
+
+
+def test_mail_submitted_over_smtp_reaches_the_mx(tmp_path: Path) -> None:
+    """The whole product: a client sends to zoneq serve's SMTP port, and the message comes
+    out at the recipient's MX (smtp-sink), Received header on top, body intact."""
+    import asyncio
+    from email.message import EmailMessage
+
+    import aiosmtplib
+
+    from tests.support.serve import smtp_port
+
+    with serve_bed(tmp_path) as bed:
+        config = bed.config()
+        with running_serve(config, tmp_path / "serve.log"):
+            message = EmailMessage()
+            message["From"] = SENDER
+            message["To"] = "someone@ok.test"
+            message["Subject"] = "through zoneq"
+            message["Message-ID"] = "<through-zoneq@src.test>"
+            message.set_content("Hello through zoneq.\n.a line with a leading dot\n")
+
+            async def submit() -> tuple[dict[str, object], str]:
+                return await aiosmtplib.send(
+                    message, hostname="127.0.0.1", port=smtp_port(config), timeout=10
+                )
+
+            errors, reply = asyncio.run(submit())
+            assert errors == {}
+            assert "queued as" in reply
+            (got,) = bed.sink.messages(1, timeout=20)
+    assert got.rcpt_args == ["RCPT TO:<someone@ok.test>"] or "someone@ok.test" in got.rcpt_args[0]
+    text = got.content.decode()
+    assert text.startswith("Received: from ")  # ours, added at the top (RFC 5321 4.4)
+    assert "by mx.zoneq.test (zoneq)" in text
+    assert "Subject: through zoneq" in text
+    assert "Hello through zoneq.\n.a line with a leading dot\n" in text

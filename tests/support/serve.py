@@ -20,9 +20,11 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,8 +44,12 @@ def write_serve_config(
     connections: int = 4,
     processes: int = 1,
 ) -> Path:
-    """A config for ``zoneq serve`` with its queue and socket under ``directory``."""
+    """A config for ``zoneq serve`` with its queue and socket under ``directory``, and its
+    SMTP receiver on a free port of 127.0.0.1 (read it back with :func:`smtp_port`)."""
     directory.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     path = directory / "zones.toml"
     path.write_text(
         f"""
@@ -51,6 +57,9 @@ def write_serve_config(
 hostname = "mx.zoneq.test"
 data_dir = "{directory / "queue"}"
 ipc_socket = "{directory / "zoneq.sock"}"
+
+[receiver]
+listen = "127.0.0.1:{port}"
 
 [delivery]
 mx_port = {mx_port}
@@ -70,6 +79,12 @@ connections = 2
 """
     )
     return path
+
+
+def smtp_port(config: Path) -> int:
+    """The port the receiver of ``config`` listens on."""
+    listen: str = tomllib.loads(config.read_text())["receiver"]["listen"]
+    return int(listen.rpartition(":")[2])
 
 
 # --- /proc ------------------------------------------------------------------------------
