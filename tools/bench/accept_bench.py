@@ -1,0 +1,596 @@
+"""Accept benchmark: durable 250s per second into zoneq, and the same load into Postfix.
+
+Prints, in one run (figures depend on the machine; compare the ratio):
+
+1. zoneq: ``python -m zoneq serve`` on a config in a temporary directory (the queue there,
+   ``[receiver] listen`` on a free port of 127.0.0.1, commits synced as by default), then
+   Postfix's smtp-source with ``--sessions`` sessions sending ``--messages`` 1 KB messages
+   (one recipient each) to it.  The wall time of the whole smtp-source run gives accepts/s.
+   The queue is then opened after ``zoneq serve`` has stopped and its messages counted: a
+   250 counts only if its message is there.
+2. The p99 (and p50, max) time from sending the final dot to reading the 250, measured by
+   a small client of this module: ``--latency-messages`` messages in sequence over one
+   connection, nothing else running.
+3. Postfix (Debian's package; installed with apt-get if missing, it does not start by
+   itself): a throwaway instance with its own configuration, queue and data directories
+   under the temporary directory, smtpd alone on a free port of 127.0.0.1, and the same two
+   loads.  Postfix fsyncs a queue file before its 250, as zoneq syncs its commit.  The
+   accepted messages are counted in its queue afterwards.
+
+Neither side delivers during the run, so the figure is accepting alone.  zoneq's workers
+(one process, one connection per zone) are given a name server that never answers (a UDP
+socket held open here) and a long DNS timeout: the one job leased waits, nothing else
+happens.  Postfix holds every message (``check_client_access static:HOLD``): cleanup
+writes it to the hold queue, which the queue manager leaves alone.
+
+Each phase is bounded (``--timeout``): past it, what was accepted so far is reported and
+the exit status is 1.  A missing test-bed program (smtp-source from ``$ZONEQ_TESTBED``,
+default the repository's ``.testbed``) exits with status 77.  Must run as root (Postfix).
+Every process started is stopped by its PID; Postfix with ``postfix -c DIR stop``.
+
+    python tools/bench/accept_bench.py [--messages 10000] [--sessions 10]
+        [--latency-messages 500] [--timeout 300] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the repository's tests.support, for ``zoneq serve``
+
+from tests.support.serve import Serve, start_serve  # noqa: E402
+
+EXIT_MISSING = 77  # the test bed is incomplete (the automake "skipped" status)
+MESSAGE_SIZE = 1024
+SENDER = "a@src.test"
+RECIPIENT = "b@ok.test"
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 30.0
+IO_TIMEOUT_S = 30.0
+POSTFIX = "/usr/sbin/postfix"
+POSTCONF = "/usr/sbin/postconf"
+
+
+class Missing(Exception):
+    """A test-bed program is not installed."""
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+def testbed() -> Path:
+    return Path(os.environ.get("ZONEQ_TESTBED") or ROOT / ".testbed")
+
+
+def smtp_source() -> Path:
+    binary = testbed() / "postfix" / "usr" / "sbin" / "smtp-source"
+    if not os.access(binary, os.X_OK):
+        raise Missing(f"smtp-source not found at {binary} (set ZONEQ_TESTBED)")
+    return binary
+
+
+def postfix_env(binary: Path) -> dict[str, str]:
+    return dict(os.environ, LD_LIBRARY_PATH=str(binary.parents[2] / "usr" / "lib" / "postfix"))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_listening(port: int, deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def message_body(size: int = MESSAGE_SIZE) -> bytes:
+    """A ``size``-byte message text (CRLF lines, none starting with a dot)."""
+    head = (
+        f"From: {SENDER}\r\nTo: {RECIPIENT}\r\nSubject: accept bench\r\n"
+        "Message-ID: <accept-bench@src.test>\r\n\r\n"
+    ).encode()
+    lines = [b"x" * 76] * ((size - len(head) - 2) // 78)
+    body = head + b"\r\n".join(lines) + b"\r\n"
+    return body + b"y" * max(0, size - len(body) - 2) + b"\r\n"
+
+
+@dataclass
+class Phase:
+    name: str
+    expected: int
+    accepted: int = 0  # 250s seen by the client
+    stored: int = -1  # messages found in the queue afterwards (-1: not counted)
+    delivery_events: int = -1  # zoneq: events logged by deliveries (should be few)
+    seconds: float = 0.0
+    complete: bool = False
+    note: str = ""
+    latencies_ms: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.seconds if self.seconds > 0 else 0.0
+
+    def percentile(self, q: float) -> float:
+        if not self.latencies_ms:
+            return 0.0
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def summary(self) -> dict[str, object]:
+        out = asdict(self) | {"rate": self.rate}
+        del out["latencies_ms"]
+        if self.latencies_ms:
+            out |= {f"p{int(q * 100)}_ms": self.percentile(q) for q in (0.5, 0.99)}
+            out["max_ms"] = max(self.latencies_ms)
+        return out
+
+
+# --- the loads ---------------------------------------------------------------------------
+
+
+def run_smtp_source(name: str, port: int, messages: int, sessions: int, timeout: float) -> Phase:
+    binary = smtp_source()
+    phase = Phase(name, messages)
+    command = [
+        str(binary),
+        "-c",  # a running count of completed DATA commands, for a timeout's report
+        "-s",
+        str(sessions),
+        "-m",
+        str(messages),
+        "-l",
+        str(MESSAGE_SIZE),
+        "-f",
+        SENDER,
+        "-t",
+        RECIPIENT,
+        f"127.0.0.1:{port}",
+    ]
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(
+            command, env=postfix_env(binary), capture_output=True, timeout=timeout, check=False
+        )
+        output = done.stdout
+        phase.complete = done.returncode == 0
+        if done.returncode != 0:
+            err = done.stderr.decode(errors="replace").strip()[-200:]
+            phase.note = f"smtp-source exit {done.returncode}: {err}"
+    except subprocess.TimeoutExpired as late:  # run() has killed it by its PID
+        output = late.stdout or b""
+        phase.note = f"timed out after {timeout:.0f} s"
+    phase.seconds = time.perf_counter() - started
+    counts = re.findall(rb"\d+", output)
+    phase.accepted = int(counts[-1]) if counts else 0
+    if phase.complete:
+        phase.accepted = messages  # -c counts at the end of DATA; exit 0 means all went
+    return phase
+
+
+class _Client:
+    """A minimal blocking SMTP client, enough to time the final dot."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), IO_TIMEOUT_S)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.reader = self.sock.makefile("rb")
+
+    def reply(self) -> tuple[int, str]:
+        lines = []
+        while True:
+            line = self.reader.readline(4096)
+            if not line:
+                raise ConnectionError("connection closed")
+            lines.append(line.decode(errors="replace").rstrip())
+            if line[3:4] != b"-":
+                return int(line[:3]), " / ".join(lines)
+
+    def command(self, text: str, expect: int) -> None:
+        self.sock.sendall(text.encode() + b"\r\n")
+        code, said = self.reply()
+        if code != expect:
+            raise RuntimeError(f"{text!r}: {said}")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, RuntimeError):
+            self.command("QUIT", 221)
+        self.reader.close()
+        self.sock.close()
+
+
+def run_latency(name: str, port: int, messages: int, timeout: float) -> Phase:
+    """``messages`` in sequence over one connection: the time from the final dot to 250."""
+    phase = Phase(name, messages)
+    body = message_body()
+    deadline = time.monotonic() + timeout
+    started = time.perf_counter()
+    client: _Client | None = None
+    try:
+        client = _Client(port)
+        code, said = client.reply()
+        if code != 220:
+            raise RuntimeError(f"greeting: {said}")
+        client.command("EHLO bench.src.test", 250)
+        for _ in range(messages):
+            if time.monotonic() > deadline:
+                phase.note = f"timed out after {timeout:.0f} s"
+                break
+            client.command(f"MAIL FROM:<{SENDER}>", 250)
+            client.command(f"RCPT TO:<{RECIPIENT}>", 250)
+            client.command("DATA", 354)
+            client.sock.sendall(body)
+            sent = time.perf_counter()
+            client.sock.sendall(b".\r\n")
+            code, said = client.reply()
+            answered = time.perf_counter()
+            if code != 250:
+                raise RuntimeError(f"end of data: {said}")
+            phase.latencies_ms.append((answered - sent) * 1000)
+            phase.accepted += 1
+        else:
+            phase.complete = True
+    except (OSError, RuntimeError, ValueError) as exc:
+        phase.note = f"{type(exc).__name__}: {exc}"[:200]
+    finally:
+        if client is not None:
+            client.close()
+    phase.seconds = time.perf_counter() - started
+    return phase
+
+
+# --- zoneq -------------------------------------------------------------------------------
+
+
+def write_zoneq_config(directory: Path, smtp_port: int, dns_port: int) -> Path:
+    path = directory / "zones.toml"
+    path.write_text(
+        f"""
+[server]
+hostname = "mx.zoneq.test"
+data_dir = "{directory / "queue"}"
+ipc_socket = "{directory / "zoneq.sock"}"
+
+[receiver]
+listen = "127.0.0.1:{smtp_port}"
+
+[storage]
+min_free = "0"
+reserve = "0"
+
+[delivery]
+nameservers = ["127.0.0.1"]
+dns_port = {dns_port}
+dns_timeout = "2s"
+allow_loopback_mx = true
+tls = "none"
+
+[zones.default]
+processes = 1
+connections = 1
+
+[zones.bounces]
+processes = 1
+connections = 1
+"""
+    )
+    return path
+
+
+def count_zoneq_queue(config_path: Path) -> tuple[int, int]:
+    """Messages in the queue of ``config_path`` and delivery events logged (deferrals and
+    the like: the workers' activity during the run); ``zoneq serve`` must have stopped."""
+    import asyncio
+
+    from zoneq.config import load_config
+    from zoneq.runtime import open_store
+
+    async def count() -> tuple[int, int]:
+        store = open_store(load_config(config_path))
+        try:
+            events = sum(1 for _, e in store.events() if e.kind.value != "accepted")
+            return store.message_count(), events
+        finally:
+            await store.close()
+
+    return asyncio.run(count())
+
+
+def stop_serve(serve: Serve) -> str:
+    """SIGTERM by PID, a bounded wait, SIGKILL if needed; its workers likewise."""
+    note = ""
+    try:
+        serve.terminate(timeout=STOP_TIMEOUT_S)
+    except RuntimeError as exc:
+        note = str(exc)
+    serve.cleanup()  # SIGKILLs any remembered worker left over, by PID
+    return note
+
+
+def bench_zoneq(args: argparse.Namespace, directory: Path) -> tuple[Phase, Phase]:
+    directory.mkdir()
+    load = Phase("zoneq accept", args.messages)
+    latency = Phase("zoneq latency", args.latency_messages)
+    # A name server that never answers: the workers' one lookup waits, nothing is delivered.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent_dns:
+        silent_dns.bind(("127.0.0.1", 0))
+        port = free_port()
+        config = write_zoneq_config(directory, port, silent_dns.getsockname()[1])
+        serve = start_serve(config, directory / "serve.log")
+        try:
+            serve.wait_ready(expected_workers=2, timeout=START_TIMEOUT_S)
+            if not wait_listening(port, time.monotonic() + START_TIMEOUT_S):
+                raise RuntimeError(f"zoneq serve is not listening on {port}")
+            load = run_smtp_source("zoneq accept", port, args.messages, args.sessions, args.timeout)
+            latency = run_latency("zoneq latency", port, args.latency_messages, args.timeout)
+        except RuntimeError as exc:
+            load.note = load.note or str(exc)[:300]
+        finally:
+            note = stop_serve(serve)
+            if note:
+                load.note = f"{load.note}; {note}".strip("; ")
+    if not serve.running():
+        try:
+            stored, events = count_zoneq_queue(config)
+            load.stored = stored - latency.accepted
+            load.delivery_events = events
+        except Exception as exc:  # reported, not fatal
+            load.note = f"{load.note}; queue not counted: {exc}".strip("; ")
+    return load, latency
+
+
+# --- Postfix -----------------------------------------------------------------------------
+
+
+def ensure_postfix() -> None:
+    if os.access(POSTFIX, os.X_OK) and os.access(POSTCONF, os.X_OK):
+        return
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for command in (["apt-get", "update"], ["apt-get", "install", "-y", "postfix"]):
+        subprocess.run(command, env=env, check=True, capture_output=True, timeout=600)
+    if not os.access(POSTFIX, os.X_OK):
+        raise Missing("postfix could not be installed")
+
+
+def postconf(config_dir: Path, *options: str) -> None:
+    subprocess.run(
+        [POSTCONF, "-c", str(config_dir), *options], check=True, capture_output=True, timeout=30
+    )
+
+
+def setup_postfix(directory: Path, port: int) -> Path:
+    """A throwaway instance: its own config, queue and data directories; smtpd alone on
+    127.0.0.1:``port``; every message held.  Returns its configuration directory."""
+    config_dir = directory / "etc"
+    queue_dir = directory / "spool"
+    data_dir = directory / "data"
+    for path in (config_dir, queue_dir, data_dir):
+        path.mkdir(parents=True)
+    shutil.chown(data_dir, "postfix")
+    shutil.copy("/etc/postfix/master.cf", config_dir / "master.cf")
+    (config_dir / "main.cf").write_text(
+        f"""compatibility_level = 3.6
+queue_directory = {queue_dir}
+data_directory = {data_dir}
+mail_owner = postfix
+setgid_group = postdrop
+myhostname = mx.postfix.test
+mydomain = postfix.test
+mydestination =
+inet_interfaces = 127.0.0.1
+inet_protocols = ipv4
+mynetworks = 127.0.0.0/8
+relayhost = [127.0.0.1]:9
+smtpd_client_restrictions = check_client_access static:HOLD
+alias_maps =
+alias_database =
+biff = no
+smtpd_tls_security_level = none
+smtp_tls_security_level = none
+maillog_file = {directory / "maillog"}
+maillog_file_prefixes = {directory}
+"""
+    )
+    # smtpd on our port only, nothing chrooted (the temporary spool has no /etc in it).
+    postconf(config_dir, "-M#", "smtp/inet")
+    postconf(config_dir, "-M", f"127.0.0.1:{port}/inet=127.0.0.1:{port} inet n - n - - smtpd")
+    postconf(config_dir, "-F", "*/*/chroot = n")
+    subprocess.run(
+        [POSTFIX, "-c", str(config_dir), "check"], check=True, capture_output=True, timeout=60
+    )
+    return config_dir
+
+
+def postfix_master_pid(config_dir: Path) -> int | None:
+    queue_dir = Path(
+        subprocess.run(
+            [POSTCONF, "-c", str(config_dir), "-h", "queue_directory"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.strip()
+    )
+    with contextlib.suppress(OSError, ValueError):
+        return int((queue_dir / "pid" / "master.pid").read_text().split()[0])
+    return None
+
+
+def stop_postfix(config_dir: Path, master_pid: int | None) -> str:
+    """``postfix -c DIR stop``, a bounded wait for its master; SIGKILL to it by PID if needed."""
+    subprocess.run(
+        [POSTFIX, "-c", str(config_dir), "stop"], capture_output=True, timeout=60, check=False
+    )
+    if master_pid is None:
+        return ""
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while time.monotonic() < deadline and Path(f"/proc/{master_pid}").exists():
+        time.sleep(0.1)
+    if Path(f"/proc/{master_pid}").exists():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(master_pid, signal.SIGKILL)
+        return f"postfix master {master_pid} killed"
+    return ""
+
+
+def count_postfix_queue(config_dir: Path) -> int:
+    queue_dir = config_dir.parent / "spool"
+    total = 0
+    for sub in ("incoming", "active", "deferred", "hold", "maildrop"):
+        total += sum(1 for p in (queue_dir / sub).rglob("*") if p.is_file())
+    return total
+
+
+def bench_postfix(args: argparse.Namespace, directory: Path) -> tuple[Phase, Phase]:
+    load = Phase("postfix accept", args.messages)
+    latency = Phase("postfix latency", args.latency_messages)
+    try:
+        ensure_postfix()
+        port = free_port()
+        config_dir = setup_postfix(directory, port)
+    except (subprocess.SubprocessError, OSError, LookupError) as exc:
+        load.note = f"postfix not set up: {exc}"[:300]
+        return load, latency
+    master_pid: int | None = None
+    try:
+        subprocess.run(
+            [POSTFIX, "-c", str(config_dir), "start"],
+            check=True,
+            capture_output=True,
+            timeout=START_TIMEOUT_S,
+        )
+        master_pid = postfix_master_pid(config_dir)
+        if not wait_listening(port, time.monotonic() + START_TIMEOUT_S):
+            raise RuntimeError(f"postfix is not listening on {port}")
+        load = run_smtp_source("postfix accept", port, args.messages, args.sessions, args.timeout)
+        latency = run_latency("postfix latency", port, args.latency_messages, args.timeout)
+    except (subprocess.SubprocessError, RuntimeError) as exc:
+        load.note = load.note or str(exc)[:300]
+    finally:
+        note = stop_postfix(config_dir, master_pid)
+        if note:
+            load.note = f"{load.note}; {note}".strip("; ")
+    load.stored = count_postfix_queue(config_dir) - latency.accepted
+    return load, latency
+
+
+# --- the run -----------------------------------------------------------------------------
+
+
+def table(args: argparse.Namespace, phases: dict[str, Phase]) -> str:
+    zq, zl, pf, pl = (phases[k] for k in ("zoneq", "zoneq_latency", "postfix", "postfix_lat"))
+    rows = [
+        f"CPUs: {os.cpu_count()}; smtp-source sessions: {args.sessions}; messages: "
+        f"{args.messages} x {MESSAGE_SIZE} B; latency: {args.latency_messages} sequential "
+        "messages on one connection",
+        f"{'phase':<18}{'accepted':>13}{'stored':>8}{'seconds':>9}{'per second':>12}"
+        f"{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}  note",
+    ]
+    for label, load, lat in (("zoneq", zq, zl), ("postfix", pf, pl)):
+        stored = str(load.stored) if load.stored >= 0 else "-"
+        if lat.latencies_ms:
+            lat_cols = (
+                f"{lat.percentile(0.5):>9.2f}{lat.percentile(0.99):>9.2f}"
+                f"{max(lat.latencies_ms):>9.2f}"
+            )
+        else:
+            lat_cols = f"{'-':>9}{'-':>9}{'-':>9}"
+        notes = "; ".join(n for n in (load.note, lat.note) if n)
+        rows.append(
+            f"{label:<18}{f'{load.accepted}/{load.expected}':>13}{stored:>8}"
+            f"{load.seconds:>9.2f}{load.rate:>12.0f}{lat_cols}  {notes}".rstrip()
+        )
+    if zq.delivery_events >= 0:
+        rows.append(
+            f"  zoneq: {zq.delivery_events} delivery event(s) logged during the run "
+            "(workers idle on a silent name server); 'stored': messages found in the "
+            "queue afterwards"
+        )
+    ratio = zq.rate / pf.rate if pf.rate else 0.0
+    ok = all(p.complete for p in (zq, zl, pf, pl))
+    verdict = "result:" if ok else "result: INCOMPLETE"
+    rows.append(
+        f"{verdict} zoneq {zq.rate:.0f} accepts/s = {ratio:.2f} x Postfix {pf.rate:.0f} "
+        f"accepts/s (goal 2.00 x); p99 end of DATA -> 250: zoneq "
+        f"{zl.percentile(0.99):.2f} ms, Postfix {pl.percentile(0.99):.2f} ms"
+    )
+    return "\n".join(rows)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--messages", type=int, default=10_000)
+    parser.add_argument("--sessions", type=int, default=10, help="smtp-source sessions")
+    parser.add_argument(
+        "--latency-messages", type=int, default=500, help="sequential messages timed"
+    )
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per phase")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = parser.parse_args(argv)
+    for name in ("messages", "sessions", "latency_messages"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        smtp_source()
+    except Missing as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_MISSING
+    if os.geteuid() != 0:
+        print("the Postfix half needs root", file=sys.stderr)
+        return EXIT_MISSING
+    directory = Path(tempfile.mkdtemp(prefix="zoneq-abench-"))
+    directory.chmod(0o755)  # Postfix's daemons (user postfix) must reach their queue
+    try:
+        zoneq, zoneq_latency = bench_zoneq(args, directory / "zoneq")
+        try:
+            postfix, postfix_lat = bench_postfix(args, directory / "postfix")
+        except Missing as exc:
+            print(exc, file=sys.stderr)
+            return EXIT_MISSING
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    phases = {
+        "zoneq": zoneq,
+        "zoneq_latency": zoneq_latency,
+        "postfix": postfix,
+        "postfix_lat": postfix_lat,
+    }
+    print(table(args, phases))
+    if args.json is not None:
+        report = {
+            "cpus": os.cpu_count(),
+            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "message_size": MESSAGE_SIZE,
+            "phases": [p.summary() for p in phases.values()],
+            "ratio": zoneq.rate / postfix.rate if postfix.rate else None,
+        }
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if all(p.complete for p in phases.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
