@@ -90,14 +90,7 @@ async def serve(config: Config, config_path: Path | None = None) -> None:
         loop.add_signal_handler(signum, stop.set)
     store = open_store(config)
     log.info("queue open at %s: %s", config.server.data_dir, describe(store))
-    service = QueueService(
-        store,
-        config,
-        hostname=config.server.resolved_hostname(),
-        clock=now_ms,
-        domain_connections=config.delivery.domain_connections,
-        max_recipients=config.delivery.max_recipients,
-    )
+    service = QueueService.from_config(store, config, clock=now_ms)
     server = IpcServer(Path(config.server.ipc_socket), QueueHandler(service, set(config.zones)))
     await server.start()
     receiver = SmtpReceiver(store, config, clock=now_ms)

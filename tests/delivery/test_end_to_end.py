@@ -107,7 +107,7 @@ async def running_core(config_path: Path) -> AsyncIterator[Core]:
     config = load_config(config_path)
     store = QueueStore.open(Path(config.server.data_dir))
     store.recover()
-    service = QueueService(store, config, hostname="mx.zoneq.test")
+    service = QueueService.from_config(store, config)
     server = IpcServer(Path(config.server.ipc_socket), QueueHandler(service, set(config.zones)))
     await server.start()
     supervisor = Supervisor({z: c.processes for z, c in config.zones.items()}, config_path, 10)

@@ -349,14 +349,7 @@ def outcome_counts(store: QueueStore) -> tuple[Counter[str], int, int]:
 
 def timed_service(store: QueueStore, config: Config) -> tuple[QueueService, list[float]]:
     """The service as ``zoneq serve`` builds it, noting when the first job is asked for."""
-    service = QueueService(
-        store,
-        config,
-        hostname=config.server.resolved_hostname(),
-        clock=now_ms,
-        domain_connections=config.delivery.domain_connections,
-        max_recipients=config.delivery.max_recipients,
-    )
+    service = QueueService.from_config(store, config, clock=now_ms)
     first_lease: list[float] = []
     lease = service.lease
 

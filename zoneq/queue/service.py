@@ -143,6 +143,20 @@ class QueueService:
         self._job_ids = itertools.count(1)
         store.on_ready = self._wake
 
+    @classmethod
+    def from_config(
+        cls, store: QueueStore, config: Config, *, clock: Callable[[], int] = wall_clock_ms
+    ) -> QueueService:
+        """The service as ``zoneq serve`` runs it: host name and limits from the config."""
+        return cls(
+            store,
+            config,
+            hostname=config.server.resolved_hostname(),
+            clock=clock,
+            domain_connections=config.delivery.domain_connections,
+            max_recipients=config.delivery.max_recipients,
+        )
+
     # --- zones ----------------------------------------------------------------------------
 
     def _zone(self, name: str) -> _Zone:
