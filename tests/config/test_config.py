@@ -369,11 +369,13 @@ def test_file_not_utf8(tmp_path: Path) -> None:
 
 # --- dotted keys ------------------------------------------------------------------------------
 
+# "[key]" is excluded: it is pydantic's marker for a fault in a dict key, which
+# dotted_key drops by design (test_dotted_key_drops_pydantic_dict_key_marker).
 _KEY_PART = st.text(
     alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]),
     min_size=1,
     max_size=20,
-)
+).filter(lambda part: part != "[key]")
 
 
 @given(st.lists(_KEY_PART, min_size=1, max_size=4))
