@@ -1,4 +1,4 @@
-"""The SMTP client side: the only place aiosmtplib is imported (see ``session.py``).
+"""The SMTP client side; aiosmtplib is imported only in here (``dialogue.py``).
 
 ``deliver`` runs one message to one host and returns a result per recipient;
 ``ConnectionCache`` keeps connections for the next message to the same host.

@@ -1,29 +1,33 @@
-"""Kept SMTP connections, for further messages to the same destination (see ``session``)."""
+"""SMTP connections between transactions, and the cache that keeps them for the next message.
+
+See ``session.py`` for when a connection is kept and how a kept one is taken up again.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import aiosmtplib
+from zoneq.delivery.transport.channel import Channel
 
 
 @dataclass(eq=False)
 class Connection:
-    """An SMTP session between transactions, kept for the next message to its destination."""
+    """An SMTP session after EHLO (and STARTTLS): what was learnt, and where it stands."""
 
-    smtp: aiosmtplib.SMTP
+    channel: Channel
     extensions: dict[str, str]
     peer: str | None
     local: str | None
     tls: bool
     tls_fallback: str | None
-    opened: float
+    opened: float = 0.0
     messages: int = 0
     idle_since: float = 0.0
+    # MAIL accepted and the end of data not answered: RSET before the next MAIL.
+    open_transaction: bool = False
 
 
 CacheKey = tuple[str, int, str | None, str, str, str]
@@ -72,7 +76,7 @@ class ConnectionCache:
             connection = kept.pop()
             if not kept:
                 del self._idle[key]
-            if connection.smtp.is_connected and now - connection.idle_since <= self._idle_s:
+            if connection.channel.is_open and now - connection.idle_since <= self._idle_s:
                 self.reused += 1
                 return connection
             self._retire(connection)
@@ -83,7 +87,9 @@ class ConnectionCache:
         """Keep ``connection``; False if it has served its time (the caller says QUIT)."""
         now = self._clock()
         if (
-            connection.messages >= self._max_messages
+            connection.open_transaction
+            or not connection.channel.is_open
+            or connection.messages >= self._max_messages
             or now - connection.opened >= self._max_age_s
             or len(self) >= self._max_idle
         ):
@@ -99,7 +105,7 @@ class ConnectionCache:
         for key in list(self._idle):
             keep = []
             for connection in self._idle[key]:
-                if now - connection.idle_since > self._idle_s or not connection.smtp.is_connected:
+                if now - connection.idle_since > self._idle_s or not connection.channel.is_open:
                     self._retire(connection)
                     stale += 1
                 else:
@@ -116,11 +122,7 @@ class ConnectionCache:
         task.add_done_callback(self._closing.discard)
 
     async def _quit(self, connection: Connection) -> None:
-        smtp = connection.smtp
-        if smtp.is_connected:
-            with contextlib.suppress(aiosmtplib.SMTPException, OSError):
-                await smtp.execute_command(b"QUIT", timeout=self._quit_timeout)
-        smtp.close()
+        await connection.channel.quit(self._quit_timeout)
 
     async def close(self) -> None:
         """QUIT every kept connection (at shutdown)."""

@@ -1,0 +1,208 @@
+"""Setting a session up with aiosmtplib: connect, greeting, EHLO (or HELO), STARTTLS.
+
+This is the only module that imports aiosmtplib, and its exceptions become ``Abort`` values
+here.  aiosmtplib does the connection (with ``source_address`` for IP pools), the greeting,
+EHLO with extension parsing, the HELO fallback and STARTTLS.  Once the session is set up its
+transport is handed to a :class:`~zoneq.delivery.transport.channel.Channel`, which carries the
+mail transactions (``channel.py`` says why: PIPELINING).  The aiosmtplib client is dropped
+then, without closing: the transport is the channel's.
+
+TLS (RFC 3207): OPPORTUNISTIC uses STARTTLS when offered and does not verify the certificate
+(as most MTAs do: with no way to know which name the certificate should carry, verifying would
+only turn mail away from servers whose certificates are self-signed or name another host, and
+plaintext is the alternative anyway).  If STARTTLS is refused or the handshake fails, the
+session is started again on a new connection in plaintext, and ``tls_fallback`` says why.
+REQUIRED verifies the certificate (unless told otherwise) and never sends MAIL in plaintext: no
+STARTTLS, a refusal or a failed handshake makes every recipient DEFER with 4.7.4 (security
+feature not supported) or 4.7.5 (cryptographic failure), RFC 3463 section 3.8.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from dataclasses import dataclass, field
+
+import aiosmtplib
+
+from zoneq.delivery.transport.abort import NO_ANSWER, NO_TLS, TLS_FAILED, Abort, lost
+from zoneq.delivery.transport.cache import Connection
+from zoneq.delivery.transport.channel import Channel
+from zoneq.delivery.transport.options import Timeouts, TlsPolicy
+from zoneq.errors import ProtocolError
+from zoneq.protocol.replies import EnhancedStatus, Reply, Stage, Verdict, classify, reply_from_text
+
+
+@dataclass(frozen=True, slots=True)
+class Destination:
+    """Where and how to open a session."""
+
+    host: str
+    port: int
+    helo_name: str
+    source_address: str | None
+    tls_policy: TlsPolicy
+    tls_verify: bool | None
+    tls_server_name: str
+    tls_context: ssl.SSLContext | None
+    timeouts: Timeouts
+
+
+@dataclass
+class Seen:
+    """What setting the session up has learnt so far, for the result even if it fails (a
+    host that answered is alive, whatever it said: see ``attempt.py``)."""
+
+    peer: str | None = None
+    local: str | None = None
+    tls: bool = False
+    tls_fallback: str | None = None
+    extensions: dict[str, str] = field(default_factory=dict)
+
+
+def _to_reply(code: int, message: str, stage: Stage) -> Reply:
+    """aiosmtplib's (code, text) as a Reply; a garbled reply counts as no reply."""
+    try:
+        return reply_from_text(code, message)
+    except ProtocolError as exc:
+        raise lost(stage, f"unusable reply: {exc}") from None
+
+
+async def open_session(dest: Destination, seen: Seen) -> Connection:
+    """Connect, EHLO and STARTTLS as the policy says; a Connection ready for MAIL."""
+    smtp = await _connect(dest, seen)
+    try:
+        seen.extensions = await _hello(smtp, dest)
+        if dest.tls_policy is not TlsPolicy.NONE:
+            required = dest.tls_policy is TlsPolicy.REQUIRED
+            if "STARTTLS" in seen.extensions:
+                failure = await _starttls(smtp, dest)
+                if failure is None:
+                    # RFC 3207 section 4.2: forget what was learnt before TLS, ask again.
+                    seen.tls = True
+                    seen.extensions = await _hello(smtp, dest)
+                elif required:
+                    reply, status, detail = failure
+                    raise Abort(
+                        Stage.STARTTLS, Verdict.DEFER, reply=reply, status=status, detail=detail
+                    )
+                else:
+                    # RFC 3207 section 4.1 leaves it to the client whether to go on without
+                    # TLS.  A new connection: after a failed handshake the old one is in no
+                    # known state.
+                    seen.tls_fallback = failure[2]
+                    smtp.close()
+                    smtp = await _connect(dest, seen)
+                    seen.extensions = await _hello(smtp, dest)
+            elif required:
+                raise Abort(
+                    Stage.STARTTLS,
+                    Verdict.DEFER,
+                    status=NO_TLS,
+                    detail="TLS is required, but STARTTLS was not offered by the host",
+                )
+        transport = smtp.transport
+        if not isinstance(transport, asyncio.Transport) or transport.is_closing():
+            raise lost(Stage.EHLO, "connection closed")
+    except BaseException:
+        smtp.close()
+        raise
+    return Connection(
+        channel=Channel(transport),
+        extensions=seen.extensions,
+        peer=seen.peer,
+        local=seen.local,
+        tls=seen.tls,
+        tls_fallback=seen.tls_fallback,
+    )
+
+
+async def _connect(dest: Destination, seen: Seen) -> aiosmtplib.SMTP:
+    smtp = aiosmtplib.SMTP(
+        hostname=dest.host,
+        port=dest.port,
+        local_hostname=dest.helo_name,
+        source_address=(dest.source_address, 0) if dest.source_address else None,
+        timeout=dest.timeouts.greeting,
+        start_tls=False,  # decided here, after EHLO, by the policy
+    )
+    try:
+        await smtp.connect()
+    except aiosmtplib.SMTPConnectResponseError as exc:
+        # RFC 5321 section 3.1: e.g. a 554 greeting; the host refuses the session.
+        reply = _to_reply(exc.code, exc.message, Stage.GREETING)
+        raise Abort(Stage.GREETING, classify(reply, Stage.GREETING), reply=reply) from None
+    except (aiosmtplib.SMTPException, OSError) as exc:
+        raise Abort(
+            Stage.CONNECT,
+            Verdict.NEXT_HOST,
+            status=NO_ANSWER,
+            detail=f"{type(exc).__name__}: {exc}",
+        ) from None
+    peer = smtp.get_transport_info("peername")
+    local = smtp.get_transport_info("sockname")
+    seen.peer = str(peer[0]) if peer else None
+    seen.local = str(local[0]) if local else None
+    return smtp
+
+
+async def _hello(smtp: aiosmtplib.SMTP, dest: Destination) -> dict[str, str]:
+    if not smtp.is_connected:
+        raise lost(Stage.EHLO, "connection closed")
+    try:
+        try:
+            await smtp.ehlo(hostname=dest.helo_name, timeout=dest.timeouts.ehlo)
+        except aiosmtplib.SMTPHeloError as exc:
+            reply = _to_reply(exc.code, exc.message, Stage.EHLO)
+            # RFC 5321 section 3.2: a server that does not know EHLO answers 5yz; then HELO.
+            if not reply.is_permanent or not smtp.is_connected:
+                raise Abort(Stage.EHLO, classify(reply, Stage.EHLO), reply=reply) from None
+            await smtp.helo(hostname=dest.helo_name, timeout=dest.timeouts.ehlo)
+    except aiosmtplib.SMTPHeloError as exc:
+        reply = _to_reply(exc.code, exc.message, Stage.EHLO)
+        raise Abort(Stage.EHLO, classify(reply, Stage.EHLO), reply=reply) from None
+    except (aiosmtplib.SMTPException, OSError) as exc:
+        raise lost(Stage.EHLO, exc) from None
+    return {key.upper(): value for key, value in smtp.esmtp_extensions.items()}
+
+
+def _tls_context(dest: Destination) -> ssl.SSLContext:
+    if dest.tls_context is not None:
+        return dest.tls_context
+    verify = dest.tls_verify
+    if verify is None:
+        verify = dest.tls_policy is TlsPolicy.REQUIRED
+    if verify:
+        return ssl.create_default_context()
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+async def _starttls(
+    smtp: aiosmtplib.SMTP, dest: Destination
+) -> tuple[Reply | None, EnhancedStatus, str] | None:
+    """Upgrade to TLS; None on success, else (reply, status, why) for the fallback."""
+    if not smtp.is_connected:
+        raise lost(Stage.STARTTLS, "connection closed")
+    try:
+        await smtp.starttls(
+            server_hostname=dest.tls_server_name,
+            tls_context=_tls_context(dest),
+            timeout=dest.timeouts.starttls,
+        )
+    except aiosmtplib.SMTPResponseException as exc:
+        # A reply other than 220 (aiosmtplib uses code -1 for a garbled one).
+        try:
+            reply: Reply | None = reply_from_text(exc.code, exc.message)
+        except ProtocolError:
+            reply = None
+        if reply is not None and reply.code == 421:  # RFC 5321 section 3.8: closing
+            raise Abort(Stage.STARTTLS, Verdict.NEXT_HOST, reply=reply) from None
+        return reply, NO_TLS, f"STARTTLS refused: {reply or exc}"
+    except (aiosmtplib.SMTPException, ssl.SSLError, OSError) as exc:
+        # aiosmtplib lets ssl.SSLError through and closes only on its own errors.
+        smtp.close()
+        return None, TLS_FAILED, f"TLS handshake failed: {type(exc).__name__}: {exc}"
+    return None
