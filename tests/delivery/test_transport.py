@@ -240,9 +240,13 @@ def test_mixed_rcpt_replies_give_one_outcome_each() -> None:
 
 
 @pytest.mark.integration
-def test_452_too_many_recipients_are_sent_in_follow_up_transactions() -> None:
+@pytest.mark.parametrize(("pipelining", "rcpt_commands"), [(False, 7), (True, 9)])
+def test_452_too_many_recipients_are_sent_in_follow_up_transactions(
+    pipelining: bool, rcpt_commands: int
+) -> None:
     rcpts = [f"r{i}@x.example" for i in range(5)]
-    result, server = against(Faults(max_recipients=2), recipients=rcpts)
+    faults = Faults(max_recipients=2, pipelining=pipelining)
+    result, server = against(faults, recipients=rcpts)
     assert [r.verdict for r in result.recipients] == [Verdict.DONE] * 5
     assert [r.transaction for r in result.recipients] == [0, 0, 1, 1, 2]
     assert result.transactions == 3
@@ -251,16 +255,24 @@ def test_452_too_many_recipients_are_sent_in_follow_up_transactions() -> None:
     verbs = server.verbs()
     assert verbs.count(b"MAIL") == 3
     assert b"RSET" not in verbs  # a completed transaction needs no RSET (RFC 5321 4.1.1.4)
-    accepted = [c for c in server.commands() if c.startswith(b"RCPT")]
-    assert len(accepted) == 7  # 5 accepted, plus the 452 ones (r2, r4) tried first
+    sent = [c for c in server.commands() if c.startswith(b"RCPT")]
+    # One by one: 5 accepted, plus the first 452 of each transaction (r2, r4); the rest wait
+    # for the next transaction unsent.  Pipelined: every recipient of a group is sent, 5 + 3 + 1.
+    assert len(sent) == rcpt_commands
 
 
 @pytest.mark.integration
-def test_all_recipients_refused_sends_no_data() -> None:
-    faults = Faults(rcpt_replies={1: b"550 5.1.1 No", 2: b"551 5.1.6 Moved"})
+@pytest.mark.parametrize("pipelining", [False, True])
+def test_all_recipients_refused_sends_no_data(pipelining: bool) -> None:
+    faults = Faults(rcpt_replies={1: b"550 5.1.1 No", 2: b"551 5.1.6 Moved"}, pipelining=pipelining)
     result, server = against(faults, recipients=["a@x.example", "b@x.example"])
     assert [r.verdict for r in result.recipients] == [Verdict.BOUNCE] * 2
-    assert b"DATA" not in server.verbs()
+    if pipelining:
+        # DATA went with the group; this server answers it 354 even with no recipient (RFC
+        # 2920 section 3.1 says it must not), so it gets the bare terminator: no message.
+        assert server.payloads == [b".\r\n"]
+    else:
+        assert b"DATA" not in server.verbs()
     assert server.verbs()[-1] == b"QUIT"
 
 
@@ -283,12 +295,14 @@ def test_refusals_by_stage(faults: Faults, stage: Stage, verdict: Verdict) -> No
 
 
 @pytest.mark.integration
-def test_421_at_rcpt_sends_everyone_to_the_next_host() -> None:
-    faults = Faults(rcpt_replies={2: b"421 4.3.2 Shutting down"})
+@pytest.mark.parametrize("pipelining", [False, True])
+def test_421_at_rcpt_sends_everyone_to_the_next_host(pipelining: bool) -> None:
+    faults = Faults(rcpt_replies={2: b"421 4.3.2 Shutting down"}, pipelining=pipelining)
     result, server = against(faults, recipients=["a@x.example", "b@x.example", "c@x.example"])
     assert [r.verdict for r in result.recipients] == [Verdict.NEXT_HOST] * 3
     assert {r.reply.code for r in result.recipients} == {421}
-    assert b"DATA" not in server.verbs()
+    assert not server.payloads  # pipelined, DATA went with the group, but no body followed
+    assert (b"DATA" in server.verbs()) is pipelining
 
 
 # --- fault server: after the dot -----------------------------------------------------------
