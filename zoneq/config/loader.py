@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import socket
 import tomllib
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from zoneq.config.model import PROBLEMS_ERROR_TYPE, Config
+from zoneq.config.plugins import PluginImportError, import_plugin, plugin_options
 from zoneq.errors import ConfigError
 
 __all__ = [
@@ -116,11 +118,19 @@ def loads_config(text: str, source: str = "<string>") -> Config:
 
 
 def validate_config(data: Mapping[str, Any], source: str = "<data>") -> Config:
-    """Validate already-parsed configuration data (as ``tomllib`` returns it)."""
+    """Validate already-parsed configuration data (as ``tomllib`` returns it).
+
+    After the model, the checks that ask this machine: pool addresses must be local, and
+    enabled plugins must import with valid options.  Nothing starts half-configured.
+    """
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
         raise InvalidConfig(problems_from(exc), source) from None
+    problems = [*_pool_problems(config), *_plugin_problems(config)]
+    if problems:
+        raise InvalidConfig(problems, source)
+    return config
 
 
 def check_config(path: Path | None = None) -> list[str]:
@@ -203,8 +213,8 @@ def _describe(error: ErrorDetails) -> str:
     if kind in _EXPECTED:
         return f"expected {_EXPECTED[kind]}, got {got}"
     if kind in _BOUNDS:
-        word, bound = _BOUNDS[kind]
-        return f"must be {ctx[bound]} or {word}, got {got}"
+        template, bound = _BOUNDS[kind]
+        return f"must be {template.format(ctx[bound])}, got {got}"
     if kind == "value_error" and "error" in ctx:
         return str(ctx["error"])
     # "missing" and our own PydanticCustomErrors (durations, zone names, retry schedules)
@@ -227,10 +237,10 @@ _EXPECTED: Final[dict[str, str]] = {
 }
 
 _BOUNDS: Final[dict[str, tuple[str, str]]] = {
-    "greater_than_equal": ("more", "ge"),
-    "greater_than": ("more", "gt"),
-    "less_than_equal": ("less", "le"),
-    "less_than": ("less", "lt"),
+    "greater_than_equal": ("{} or more", "ge"),
+    "greater_than": ("more than {}", "gt"),
+    "less_than_equal": ("{} or less", "le"),
+    "less_than": ("less than {}", "lt"),
 }
 
 _PLAIN: Final[dict[str, str]] = {
@@ -311,3 +321,48 @@ def _flatten(node: Any) -> Iterator[Any]:
             yield from _flatten(arg)
     else:
         yield node
+
+
+# --- checks that ask this machine ---------------------------------------------------------------
+
+
+def _pool_problems(config: Config) -> Iterator[Problem]:
+    """A pool address that is not one of this host's would fail every connection from it."""
+    for zone_name, zone in config.zones.items():
+        for index, entry in enumerate(zone.pool):
+            reason = _bind_failure(entry.address)
+            if reason is not None:
+                key = dotted_key(("zones", zone_name, "pool", index, "address"))
+                text = f"{entry.address} is not an address of this host ({reason})"
+                yield Problem(key, text)
+
+
+def _bind_failure(address: str) -> str | None:
+    # Port 0 binds no port anyone could notice; the kernel refuses an address that is not
+    # configured on an interface (EADDRNOTAVAIL), which is exactly the question.
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+    except OSError as exc:
+        return f"bind failed: {exc.strerror or exc}"
+    return None
+
+
+def _plugin_problems(config: Config) -> Iterator[Problem]:
+    for name, plugin in config.plugins.items():
+        if not plugin.enabled:
+            continue
+        try:
+            module = import_plugin(name, plugin)
+        except PluginImportError as exc:
+            # Blame the module key when the operator wrote one, else the plugin's table.
+            loc = ("plugins", name, "module") if plugin.module is not None else ("plugins", name)
+            yield Problem(dotted_key(loc), str(exc))
+            continue
+        try:
+            plugin_options(module, plugin)
+        except ValidationError as exc:
+            prefix = dotted_key(("plugins", name, "options"))
+            for problem in problems_from(exc):
+                yield Problem(f"{prefix}.{problem.key}" if problem.key else prefix, problem.text)

@@ -24,20 +24,32 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
+import ssl
 from pathlib import Path
 from typing import Annotated, Final, Literal, Self
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     ByteSize,
-    ConfigDict,
     Field,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
+from zoneq.config.plugins import PluginConfig, PluginName
+from zoneq.config.reply_rules import ReplyRulesConfig
+from zoneq.config.routing import HeaderName, RoutingRule, unknown_rule_zones
+from zoneq.config.types import (
+    PROBLEMS_ERROR_TYPE,
+    Duration,
+    HostName,
+    Network,
+    ZoneName,
+    problems_error,
+)
+from zoneq.config.types import Section as _Section
+from zoneq.config.zones import ConnectionLimits, Pool, Rate, Smarthost, parse_rate
 from zoneq.protocol.retry import (
     BOUNCE_MAX_AGE,
     DEFAULT_MAX_AGE,
@@ -49,6 +61,7 @@ from zoneq.protocol.retry import (
 
 __all__ = [
     "PROBLEMS_ERROR_TYPE",
+    "ApiConfig",
     "Config",
     "Duration",
     "HostName",
@@ -61,80 +74,9 @@ __all__ = [
     "problems_error",
 ]
 
-PROBLEMS_ERROR_TYPE: Final = "zoneq_problems"
-"""Error type of ``problems_error``; its context holds ``problems``: (relative key, text) pairs."""
-
 # Loose enough for any retry schedule an operator would write, and still a valid duration,
 # so a retry spec can be checked on its own without its max age interfering.
 _UNBOUNDED_MAX_AGE: Final = "36500d"
-
-_ZONE_NAME: Final = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-# RFC 5321 section 4.1.2: the EHLO argument is a domain (letter-digit-hyphen labels) or an
-# address literal in brackets.  A name outside that grammar is refused by some receivers,
-# so it is cheaper to catch here than in a deferral days later.
-_LABEL: Final = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_HOST_NAME: Final = re.compile(rf"{_LABEL}(?:\.{_LABEL})*|\[[^\[\]\s]+\]")
-_MAX_HOST_NAME: Final = 253
-
-
-def problems_error(*problems: tuple[tuple[str, ...], str]) -> PydanticCustomError:
-    """An error for a model-level validator that still names the keys at fault.
-
-    ``problems`` are (key path relative to the model, text) pairs.  The loader expands
-    them; anyone reading the raw pydantic error still gets a readable summary.
-    """
-    summary = "; ".join(f"{'.'.join(key)}: {text}" for key, text in problems)
-    return PydanticCustomError(
-        PROBLEMS_ERROR_TYPE, "{summary}", {"summary": summary, "problems": problems}
-    )
-
-
-def _check_duration(value: str) -> str:
-    try:
-        ms = parse_duration(value)
-    except ValueError as exc:
-        raise PydanticCustomError("duration", "{reason}", {"reason": str(exc)}) from None
-    # parse_duration accepts zero; none of the durations configured here means anything
-    # at zero (a zero sweep interval would spin, a zero retention would keep nothing).
-    if ms == 0:
-        raise PydanticCustomError(
-            "duration", "{reason}", {"reason": f"duration must be greater than zero, got {value!r}"}
-        )
-    return value
-
-
-def _check_zone_name(value: str) -> str:
-    if not _ZONE_NAME.fullmatch(value):
-        reason = f"invalid zone name {value!r}: use 1 to 64 letters, digits, '-', '_' or '.'"
-        raise PydanticCustomError("zone_name", "{reason}", {"reason": reason})
-    return value
-
-
-def _check_host_name(value: str) -> str:
-    if len(value) > _MAX_HOST_NAME or not _HOST_NAME.fullmatch(value):
-        reason = (
-            f"invalid host name {value!r}: expected a domain such as 'mx.example.com' "
-            "or an address literal such as '[192.0.2.1]'"
-        )
-        raise PydanticCustomError("host_name", "{reason}", {"reason": reason})
-    return value
-
-
-Duration = Annotated[str, AfterValidator(_check_duration)]
-"""A positive duration in ``parse_duration`` syntax: ``"90"`` (seconds), ``"15m"``, ``"1h30m"``."""
-
-ZoneName = Annotated[str, AfterValidator(_check_zone_name)]
-"""1..64 of letters, digits, ``-``, ``_``, ``.``: safe in log lines, metrics labels and keys."""
-
-HostName = Annotated[str, AfterValidator(_check_host_name)]
-"""A name usable as our EHLO argument: a domain or a bracketed address literal."""
-
-
-class _Section(BaseModel):
-    """Shared settings: unknown keys refused, values immutable, no type coercion."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ServerConfig(_Section):
@@ -219,6 +161,21 @@ class ZoneConfig(_Section):
     ipv6: bool = True
     """Whether to connect to IPv6 addresses of receiving servers."""
 
+    pool: Pool = Field(default_factory=list)
+    """Source addresses to send from, by ratio (``[[zones.<name>.pool]]``, zones.py)."""
+
+    rate: Rate | None = None
+    """Zone-wide deliveries per second, minute or hour (``"6000/min"``), spread evenly
+    across the zone's processes; None: no limit."""
+
+    smarthost: Smarthost | None = None
+    """Relay everything through this host instead of the recipients' MX hosts."""
+
+    @property
+    def rate_limit(self) -> tuple[int, int] | None:
+        """``rate`` as (count, period in ms), the form ``RateLimiter`` takes."""
+        return parse_rate(self.rate) if self.rate is not None else None
+
     @field_validator("retry")
     @classmethod
     def _check_retry(cls, value: str) -> str:
@@ -302,6 +259,13 @@ class DeliveryConfig(_Section):
     """Connections at once per destination domain, across all of a zone's workers."""
 
     max_recipients: Annotated[int, Field(ge=1, le=1000)] = 50
+
+    domain_limits: ConnectionLimits = Field(default_factory=dict)
+    """Per recipient domain, overriding ``domain_connections``: ``{ "gmail.com" = 20 }``."""
+
+    mx_limits: ConnectionLimits = Field(default_factory=dict)
+    """Connections at once per MX host, whichever domains it serves (many domains share
+    the big providers' MX hosts): ``{ ".google.com" = 40 }``."""
     """Recipients per SMTP transaction (Postfix's default is 50)."""
 
     @property
@@ -324,6 +288,13 @@ class RoutingConfig(_Section):
     delay_warning: Duration = "4h"
     """A recipient that asked for delay notices (RFC 3461 NOTIFY=DELAY) and is still queued
     after this long gets one, once (Postfix's delay_warning_time)."""
+
+    rules: list[RoutingRule] = Field(default_factory=list)
+    """``[[routing.rules]]``: zone by sender domain, recipient domain or client network."""
+
+    zone_header: HeaderName = "X-Sending-Zone"
+    """A header naming the zone, honoured only from authenticated or allowlisted clients
+    and removed before delivery."""
 
     @property
     def bounce_max_age_ms(self) -> int:
@@ -355,20 +326,21 @@ def split_listen(value: str) -> tuple[str, int]:
     return host, port
 
 
-def _check_network(value: str) -> str:
-    try:
-        ipaddress.ip_network(value)
-    except ValueError as exc:
-        reason = f"invalid network {value!r}: {exc} (expected CIDR, e.g. '192.0.2.0/24')"
-        raise PydanticCustomError("network", "{reason}", {"reason": reason}) from None
+# The stored form of receiver.auth_users values (scrypt, RFC 7914); the receiver reads the values.
+_PASSWORD_HASH: Final = re.compile(
+    r"scrypt\$ln=[0-9]{1,2},r=[0-9]{1,2},p=[0-9]{1,2}\$[A-Za-z0-9+/]+\$[A-Za-z0-9+/]+"
+)
+
+
+def _check_password_hash(value: str) -> str:
+    if not _PASSWORD_HASH.fullmatch(value):
+        reason = "not a password hash: make one with 'zoneq hash-password'"
+        raise PydanticCustomError("password_hash", "{reason}", {"reason": reason})
     return value
 
 
 ListenAddress = Annotated[str, AfterValidator(_check_listen)]
 """``host:port`` to listen on; ``[::1]:25`` for IPv6; port 0 picks a free port (tests)."""
-
-Network = Annotated[str, AfterValidator(_check_network)]
-"""An IP network in CIDR notation, host bits zero: ``"192.0.2.0/24"``, ``"::1/128"``."""
 
 
 class ReceiverConfig(_Section):
@@ -393,6 +365,46 @@ class ReceiverConfig(_Section):
     max_connections_per_client: Annotated[int, Field(ge=1)] = 50
     """Concurrent sessions from one client address; more are answered 421 4.7.0."""
 
+    min_data_rate: Annotated[int, Field(ge=0)] = 500
+    """Octets per second of message text that earn a slow client more time: each request
+    (a command, or the text after 354) must complete within ``idle_timeout`` plus this
+    credit, so a trickle cannot hold a session for ever (Postfix's smtpd_min_data_rate)."""
+
+    # Not strict: TOML has no path type.
+    tls_cert: Annotated[Path | None, Field(strict=False)] = None
+    """PEM certificate chain for STARTTLS (RFC 3207); unset: STARTTLS is not offered."""
+
+    tls_key: Annotated[Path | None, Field(strict=False)] = None
+    """PEM private key of ``tls_cert``."""
+
+    auth_users: dict[str, Annotated[str, AfterValidator(_check_password_hash)]] = Field(
+        default_factory=dict
+    )
+    """AUTH PLAIN/LOGIN users (RFC 4954), offered only after STARTTLS: name -> scrypt hash
+    as printed by ``zoneq hash-password``.  Authenticated clients may relay."""
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> Self:
+        problems: list[tuple[tuple[str, ...], str]] = []
+        if (self.tls_cert is None) != (self.tls_key is None):
+            problems.append((("tls_key",), "tls_cert and tls_key must be set together"))
+        elif self.tls_cert is not None and self.tls_key is not None:
+            try:
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                    self.tls_cert, self.tls_key
+                )
+            except FileNotFoundError as exc:
+                problems.append((("tls_cert",), f"cannot read {exc.filename}: no such file"))
+            except (OSError, ssl.SSLError) as exc:
+                text = f"the certificate and key do not load as a pair: {exc}"
+                problems.append((("tls_cert",), text))
+        if self.auth_users and self.tls_cert is None:
+            text = "AUTH is offered only after STARTTLS: set tls_cert and tls_key"
+            problems.append((("auth_users",), text))
+        if problems:
+            raise problems_error(*problems)
+        return self
+
     @property
     def listen_address(self) -> tuple[str, int]:
         return split_listen(self.listen)
@@ -404,6 +416,49 @@ class ReceiverConfig(_Section):
     @property
     def networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
         return tuple(ipaddress.ip_network(network) for network in self.allow_networks)
+
+
+MIN_API_TOKEN: Final = 16
+
+
+class ApiConfig(_Section):
+    """``[api]``: the HTTP admin and submission API (bearer-token auth on all but /health)."""
+
+    enabled: bool = True
+    """Run the API in ``zoneq serve``."""
+
+    listen: ListenAddress = "127.0.0.1:8025"
+    """Address and port of the API; loopback by default, since it can read and drop mail."""
+
+    token: Annotated[str, Field(min_length=MIN_API_TOKEN)] | None = None
+    """The bearer token clients must send.  Unset (and no ``token_file``): one is generated at
+    first start into ``<server.data_dir>/api.token`` (mode 0600) and its path is logged."""
+
+    # Not strict: TOML has no path type, so the path arrives as a string.
+    token_file: Annotated[Path, Field(strict=False)] | None = None
+    """A file holding the token (its first line), instead of ``token`` in the config."""
+
+    @field_validator("token")
+    @classmethod
+    def _printable_token(cls, value: str | None) -> str | None:
+        # RFC 6750 section 2.1: b64token characters only, so it can travel in the header.
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9\-._~+/]+=*", value):
+            raise PydanticCustomError(
+                "api_token",
+                "{reason}",
+                {"reason": "use letters, digits and -._~+/ only (RFC 6750 b64token)"},
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> Self:
+        if self.token is not None and self.token_file is not None:
+            raise problems_error((("token_file",), "set either token or token_file, not both"))
+        return self
+
+    @property
+    def listen_address(self) -> tuple[str, int]:
+        return split_listen(self.listen)
 
 
 def _no_zones_is_an_error(zones: dict[str, ZoneConfig]) -> dict[str, ZoneConfig]:
@@ -429,10 +484,13 @@ class Config(_Section):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     delivery: DeliveryConfig = Field(default_factory=DeliveryConfig)
     receiver: ReceiverConfig = Field(default_factory=ReceiverConfig)
+    api: ApiConfig = Field(default_factory=ApiConfig)
+    plugins: dict[PluginName, PluginConfig] = Field(default_factory=dict)
+    reply_rules: ReplyRulesConfig = Field(default_factory=ReplyRulesConfig)
 
     @model_validator(mode="after")
     def _check_references(self) -> Self:
-        problems: list[tuple[tuple[str, ...], str]] = []
+        problems: list[tuple[tuple[str | int, ...], str]] = []
         for key in ("default_zone", "bounce_zone"):
             name: str = getattr(self.routing, key)
             if name not in self.zones:
@@ -447,6 +505,8 @@ class Config(_Section):
                 whose = f" of zone {self.routing.bounce_zone!r}"
                 text = _max_age_problem(bounce_zone.retry, self.routing.bounce_max_age, exc, whose)
                 problems.append((("routing", "bounce_max_age"), text))
+        for rule_key, text in unknown_rule_zones(self.routing.rules, self.zones):
+            problems.append((("routing", *rule_key), text))
         if problems:
             raise problems_error(*problems)
         return self

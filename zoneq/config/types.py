@@ -1,0 +1,111 @@
+"""Value types and the base model shared by every configuration module.
+
+They live apart from ``model.py`` so that the section models kept in their own modules
+(``zones.py``, ``routing.py``, ``plugins.py``) can use them while ``model.py`` imports those
+modules: one direction of import, no cycle.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Annotated, Final
+
+from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic_core import PydanticCustomError
+
+from zoneq.protocol.retry import parse_duration
+
+__all__ = [
+    "PROBLEMS_ERROR_TYPE",
+    "Duration",
+    "HostName",
+    "Network",
+    "Section",
+    "ZoneName",
+    "problems_error",
+]
+
+PROBLEMS_ERROR_TYPE: Final = "zoneq_problems"
+"""Error type of ``problems_error``; its context holds ``problems``: (relative key, text) pairs."""
+
+_ZONE_NAME: Final = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+# RFC 5321 section 4.1.2: the EHLO argument is a domain (letter-digit-hyphen labels) or an
+# address literal in brackets.  A name outside that grammar is refused by some receivers,
+# so it is cheaper to catch here than in a deferral days later.
+_LABEL: Final = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOST_NAME: Final = re.compile(rf"{_LABEL}(?:\.{_LABEL})*|\[[^\[\]\s]+\]")
+_MAX_HOST_NAME: Final = 253
+
+
+def problems_error(*problems: tuple[tuple[str | int, ...], str]) -> PydanticCustomError:
+    """An error for a model-level validator that still names the keys at fault.
+
+    ``problems`` are (key path relative to the model, text) pairs; an int in a path is an
+    index into an array.  The loader expands them; anyone reading the raw pydantic error
+    still gets a readable summary.
+    """
+    summary = "; ".join(f"{'.'.join(map(str, key))}: {text}" for key, text in problems)
+    return PydanticCustomError(
+        PROBLEMS_ERROR_TYPE, "{summary}", {"summary": summary, "problems": problems}
+    )
+
+
+def _check_duration(value: str) -> str:
+    try:
+        ms = parse_duration(value)
+    except ValueError as exc:
+        raise PydanticCustomError("duration", "{reason}", {"reason": str(exc)}) from None
+    # parse_duration accepts zero; none of the durations configured here means anything
+    # at zero (a zero sweep interval would spin, a zero retention would keep nothing).
+    if ms == 0:
+        raise PydanticCustomError(
+            "duration", "{reason}", {"reason": f"duration must be greater than zero, got {value!r}"}
+        )
+    return value
+
+
+def _check_zone_name(value: str) -> str:
+    if not _ZONE_NAME.fullmatch(value):
+        reason = f"invalid zone name {value!r}: use 1 to 64 letters, digits, '-', '_' or '.'"
+        raise PydanticCustomError("zone_name", "{reason}", {"reason": reason})
+    return value
+
+
+def _check_host_name(value: str) -> str:
+    if len(value) > _MAX_HOST_NAME or not _HOST_NAME.fullmatch(value):
+        reason = (
+            f"invalid host name {value!r}: expected a domain such as 'mx.example.com' "
+            "or an address literal such as '[192.0.2.1]'"
+        )
+        raise PydanticCustomError("host_name", "{reason}", {"reason": reason})
+    return value
+
+
+def _check_network(value: str) -> str:
+    try:
+        ipaddress.ip_network(value)
+    except ValueError as exc:
+        reason = f"invalid network {value!r}: {exc} (expected CIDR, e.g. '192.0.2.0/24')"
+        raise PydanticCustomError("network", "{reason}", {"reason": reason}) from None
+    return value
+
+
+Duration = Annotated[str, AfterValidator(_check_duration)]
+"""A positive duration in ``parse_duration`` syntax: ``"90"`` (seconds), ``"15m"``, ``"1h30m"``."""
+
+ZoneName = Annotated[str, AfterValidator(_check_zone_name)]
+"""1..64 of letters, digits, ``-``, ``_``, ``.``: safe in log lines, metrics labels and keys."""
+
+HostName = Annotated[str, AfterValidator(_check_host_name)]
+"""A name usable as our EHLO argument: a domain or a bracketed address literal."""
+
+Network = Annotated[str, AfterValidator(_check_network)]
+"""An IP network in CIDR notation, host bits zero: ``"192.0.2.0/24"``, ``"::1/128"``."""
+
+
+class Section(BaseModel):
+    """Shared settings: unknown keys refused, values immutable, no type coercion."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
