@@ -1,0 +1,232 @@
+"""The plugin host: loads the enabled plugins and calls their hooks, each under a time limit.
+
+A plugin is a module with ``init(app)``; ``app.add_hook(Hook.X, handler)`` registers a
+handler, which is called with the hook's argument object (``hooks.py``).  ``async def``
+handlers run on the event loop; plain functions run in a worker thread, so a handler that
+blocks (file I/O, a slow crypto library, a hang) cannot stall every SMTP session, and the
+time limit can abandon it.  An abandoned thread runs on until it returns by itself:
+Python has no way to kill a thread, which is why hanging plugins are logged loudly.
+
+Isolation (issue 5): whatever a handler does, ``call`` either returns a ``HookResult`` or
+raises ``PluginFailure``; the callers turn that into 451 4.3.0 at receive time and a logged
+deferral at send time.  ``notify`` (outcome hooks) never raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from zoneq.config.model import Config
+from zoneq.config.plugins import PluginImportError, import_plugin, plugin_options
+from zoneq.errors import ConfigError
+from zoneq.plugin.errors import Fault, PluginFailure
+from zoneq.plugin.hooks import SPECS, AddHeaders, Drop, Hook, Mode
+from zoneq.protocol.replies import Reply
+
+__all__ = ["Handler", "HookResult", "PluginApp", "PluginHost"]
+
+log = logging.getLogger("zoneq.plugin")
+
+Handler = Callable[[Any], object | Awaitable[object]]
+"""A hook handler: called with the hook's argument object, returns a result or None."""
+
+
+@dataclass(frozen=True, slots=True)
+class HookResult:
+    """What the plugins decided at one hook; all None/empty when none had an opinion."""
+
+    reply: Reply | None = None
+    zone: str | None = None
+    drop: Drop | None = None
+    authenticated: bool | None = None
+    headers: tuple[bytes, ...] = ()
+    plugin: str | None = None
+    """The plugin whose answer decided (the last to add headers or choose a zone)."""
+
+
+@dataclass(slots=True)
+class _Registered:
+    plugin: str
+    handler: Handler
+    timeout_s: float
+
+
+class PluginApp:
+    """What a plugin's ``init(app)`` receives."""
+
+    def __init__(self, name: str, options: BaseModel | dict[str, Any], config: Config) -> None:
+        self.name = name
+        self.options = options
+        """The plugin's ``Options`` model instance, or the raw table if it defines none."""
+        self.config = config
+        self.log = logging.getLogger(f"zoneq.plugin.{name}")
+        self.hooks: list[tuple[Hook, Handler]] = []
+        self.closers: list[Callable[[], object | Awaitable[object]]] = []
+
+    def add_hook(self, hook: Hook | str, handler: Handler) -> None:
+        """Call ``handler`` at ``hook``; a hook name that does not exist is refused here, at
+        start-up, rather than never being called."""
+        try:
+            known = Hook(hook)
+        except ValueError:
+            names = ", ".join(h.value for h in Hook)
+            raise ValueError(f"unknown hook {hook!r}; hooks are: {names}") from None
+        if not callable(handler):
+            raise TypeError(f"handler for {known} is not callable: {handler!r}")
+        self.hooks.append((known, handler))
+
+    def on_close(self, closer: Callable[[], object | Awaitable[object]]) -> None:
+        """Call ``closer`` when zoneq stops (close sessions, flush a backlog)."""
+        self.closers.append(closer)
+
+
+@dataclass(slots=True)
+class PluginHost:
+    """The loaded plugins' handlers per hook, in config order."""
+
+    zones: Collection[str]
+    handlers: dict[Hook, list[_Registered]] = field(default_factory=dict)
+    closers: list[Callable[[], object | Awaitable[object]]] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, config: Config) -> PluginHost:
+        """Import, configure and initialise every enabled plugin.
+
+        Raises ``ConfigError`` naming ``plugins.<name>`` when one cannot be loaded:
+        nothing starts with a plugin missing (issue 5).
+        """
+        host = cls(zones=frozenset(config.zones))
+        for name, settings in config.plugins.items():
+            if not settings.enabled:
+                continue
+            key = f"plugins.{name}"
+            try:
+                module = import_plugin(name, settings)
+                options = plugin_options(module, settings)
+            except PluginImportError as exc:
+                raise ConfigError(key, str(exc)) from None
+            except ValidationError as exc:
+                raise ConfigError(f"{key}.options", str(exc)) from None
+            app = PluginApp(name, options, config)
+            try:
+                module.init(app)
+            except Exception as exc:
+                raise ConfigError(key, f"init failed: {type(exc).__name__}: {exc}") from None
+            host.add(name, app, settings.timeout_s)
+        return host
+
+    def add(self, name: str, app: PluginApp, timeout_s: float) -> None:
+        for hook, handler in app.hooks:
+            self.handlers.setdefault(hook, []).append(_Registered(name, handler, timeout_s))
+        self.closers.extend(app.closers)
+
+    def handles(self, hook: Hook) -> bool:
+        """Whether any plugin listens at ``hook`` (callers skip building arguments if not)."""
+        return bool(self.handlers.get(hook))
+
+    async def call(self, hook: Hook, args: object) -> HookResult:
+        """Ask the plugins at ``hook``; raises ``PluginFailure`` if one misbehaves."""
+        spec = SPECS[hook]
+        if spec.mode is Mode.NOTIFY:
+            raise ValueError(f"{hook} is an outcome hook: use notify()")
+        if not isinstance(args, spec.args):
+            raise TypeError(f"{hook} takes {spec.args.__name__}, not {type(args).__name__}")
+        headers: list[bytes] = []
+        chosen: HookResult = HookResult()
+        for entry in self.handlers.get(hook, ()):
+            result = await self._invoke(hook, entry, args)
+            if result is None:
+                continue
+            if isinstance(result, AddHeaders):
+                headers.extend(result.fields)
+                chosen = HookResult(plugin=entry.plugin)
+                continue
+            if spec.mode is Mode.CHAIN and isinstance(result, str):
+                # The next plugin sees this choice as if the rules had made it.
+                args = replace(args, zone=result, rule=f"plugin:{entry.plugin}")  # type: ignore[type-var]
+                chosen = HookResult(zone=result, plugin=entry.plugin)
+                continue
+            return _decision(result, entry.plugin, tuple(headers))
+        return replace(chosen, headers=tuple(headers))
+
+    async def notify(self, hook: Hook, args: object) -> list[PluginFailure]:
+        """Tell every plugin at an outcome hook; failures are logged and returned, not raised."""
+        failures: list[PluginFailure] = []
+        for entry in self.handlers.get(hook, ()):
+            try:
+                await self._invoke(hook, entry, args)
+            except PluginFailure as exc:
+                log.error("%s", exc)
+                failures.append(exc)
+        return failures
+
+    async def close(self) -> None:
+        """Run the plugins' ``on_close`` callbacks; one that fails does not stop the rest."""
+        for closer in self.closers:
+            try:
+                result = closer()
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:
+                log.exception("a plugin's close callback failed")
+
+    async def _invoke(self, hook: Hook, entry: _Registered, args: object) -> object:
+        try:
+            async with asyncio.timeout(entry.timeout_s):
+                result = await _run(entry.handler, args)
+        except TimeoutError:
+            raise PluginFailure(
+                entry.plugin, hook, Fault.TIMED_OUT, f"no answer within {entry.timeout_s:g}s"
+            ) from None
+        # SystemExit too: a plugin calling sys.exit() must not stop the server.
+        except (Exception, SystemExit) as exc:
+            detail = f"{type(exc).__name__}: {exc}"
+            raise PluginFailure(entry.plugin, hook, Fault.RAISED, detail) from exc
+        problem = self._check(hook, result)
+        if problem is not None:
+            raise PluginFailure(entry.plugin, hook, Fault.GARBAGE, problem)
+        return result
+
+    def _check(self, hook: Hook, result: object) -> str | None:
+        """Why ``result`` is not an answer ``hook`` allows, or None if it is."""
+        spec = SPECS[hook]
+        if result is None:
+            return None
+        if spec.mode is Mode.NOTIFY:
+            return f"outcome hooks return nothing, got {type(result).__name__}"
+        if not isinstance(result, spec.results):
+            allowed = ", ".join(kind.__name__ for kind in spec.results)
+            return f"expected None or {allowed}, got {type(result).__name__} {result!r:.80}"
+        if isinstance(result, Reply) and not 400 <= result.code <= 599:
+            return f"a reply from a plugin must refuse (4xx or 5xx), got {result.code}"
+        if isinstance(result, str) and result not in self.zones:
+            return f"routed to zone {result!r}, which is not defined in [zones]"
+        return None
+
+
+async def _run(handler: Handler, args: object) -> object:
+    if inspect.iscoroutinefunction(handler):
+        result: object = await handler(args)
+        return result
+    result = await asyncio.to_thread(handler, args)
+    if inspect.isawaitable(result):  # a plain callable that returned a coroutine
+        return await result
+    return result
+
+
+def _decision(result: object, plugin: str, headers: tuple[bytes, ...]) -> HookResult:
+    if isinstance(result, Reply):
+        return HookResult(reply=result, headers=headers, plugin=plugin)
+    if isinstance(result, Drop):
+        return HookResult(drop=result, plugin=plugin)
+    if isinstance(result, bool):
+        return HookResult(authenticated=result, plugin=plugin)
+    assert isinstance(result, str)  # _check allowed nothing else
+    return HookResult(zone=result, plugin=plugin)
