@@ -12,6 +12,7 @@ from zoneq import __version__, runtime
 from zoneq.config import check_config, load_config
 from zoneq.delivery import worker
 from zoneq.errors import ConfigError, StoreLocked
+from zoneq.receiver import hash_password
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -21,7 +22,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"zoneq: configuration error:\n{exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(runtime.serve(config, args.config))
+        runtime.run(config, args.config)
     except StoreLocked as exc:
         print(f"zoneq: {exc}", file=sys.stderr)
         return 1
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file and name each problem")
     check.add_argument("config", type=Path, nargs="?", default=None)
     check.set_defaults(func=_cmd_check_config)
+
+    hash_password.register(sub)  # for receiver.auth_users
     return parser
 
 

@@ -23,6 +23,8 @@ import signal
 import time
 from pathlib import Path
 
+import uvloop
+
 from zoneq.config import Config
 from zoneq.errors import StorageUnavailable
 from zoneq.ipc.core import QueueHandler
@@ -79,6 +81,12 @@ async def maintain(store: QueueStore, config: Config) -> None:
         return
     if swept or trimmed:
         log.info("maintenance: swept %d orphan(s), trimmed %d event(s)", swept, trimmed)
+
+
+def run(config: Config, config_path: Path | None = None) -> None:
+    """``serve`` on uvloop: libuv's event loop halves asyncio's own cost per socket event,
+    which is most of the receiver's cost per message (tools/bench/accept_bench.py)."""
+    uvloop.run(serve(config, config_path))
 
 
 async def serve(config: Config, config_path: Path | None = None) -> None:

@@ -295,8 +295,27 @@ def test_mail_defaults_and_null_sender() -> None:
     )
 
 
-def test_source_route_dropped() -> None:
+def test_source_route_dropped_from_the_reverse_path() -> None:
+    # RFC 5321 appendix C: accepted, and the route ignored (bounces go to the mailbox).
     assert first(EHLO + b"MAIL FROM:<@r1,@r2:a@b>\r\n", MailFrom) == MailFrom("a@b")
+
+
+def test_source_route_of_a_forward_path_is_handed_to_the_driver() -> None:
+    # RFC 5321 section 3.6.1: the server may refuse it; the driver decides, so it must see it.
+    event = first(EHLO + MAIL + b"RCPT TO:<@r1.example,@r2:c@d>\r\n", RcptTo)
+    assert event == RcptTo("c@d", route="@r1.example,@r2")
+    assert first(EHLO + MAIL + b"RCPT TO:<c@d>\r\n", RcptTo) == RcptTo("c@d")
+
+
+@pytest.mark.parametrize(
+    "path", [b"@:c@d", b"@r1,r2:c@d", b"@r 1:c@d", b"@r1,@:c@d", b"@r1", b"@r1;c@d"]
+)
+def test_malformed_source_routes_are_501(path: bytes) -> None:
+    assert session(EHLO + MAIL + b"RCPT TO:<" + path + b">\r\n") == [
+        "250",
+        "250 2.1.0",
+        "501 5.1.3",
+    ]
 
 
 def test_rcpt_parameters_parsed_orcpt_kept_raw() -> None:
@@ -653,6 +672,30 @@ def test_arbitrary_body_chunking(body: bytes, cuts: list[int]) -> None:
     )
 
 
+# The pieces DATA faults are made of: the fast path for whole lines (``_clean_lines``) must
+# decide exactly as the line-by-line path, which byte-by-byte feeding always takes.
+_DATA_TOKENS = st.sampled_from(
+    [b"a", b"bb", b".", b"..", b"\r", b"\n", b"\r\n", b"\r\n.", b".\r\n", b"\0", b"x" * 7]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(_DATA_TOKENS, max_size=40),
+    max_text_line=st.integers(3, 12),
+    max_message_size=st.integers(0, 60),
+)
+def test_whole_lines_fast_path_equals_byte_by_byte(
+    tokens: list[bytes], max_text_line: int, max_message_size: int
+) -> None:
+    data = TX + b"".join(tokens) + b"\r\n.\r\nNOOP\r\n"
+
+    def conn() -> ServerConnection:
+        return make(max_text_line=max_text_line, max_message_size=max_message_size)
+
+    assert drive([data], conn=conn()) == drive([bytes([b]) for b in data], conn=conn())
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     lines=st.lists(
@@ -754,8 +797,9 @@ def test_auth_empty_initial_response_and_cancel() -> None:
     conn = authed()
     assert conn.receive(b"AUTH PLAIN =\r\n") == [AuthRequest("PLAIN", b"")]
     conn.challenge(b"")
+    assert conn.data_to_send() == b"334 \r\n"  # RFC 4954 4: "334" SP [base64], even empty
     assert conn.receive(b"*\r\nNOOP\r\n") == []
-    assert replies(conn.data_to_send()) == ["334", "501 5.0.0", "250 2.0.0"]
+    assert replies(conn.data_to_send()) == ["501 5.0.0", "250 2.0.0"]
 
 
 def test_auth_requires_tls() -> None:

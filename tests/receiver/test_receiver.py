@@ -9,31 +9,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import shutil
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import aiosmtplib
 import pytest
 
-from tests.support.testbed import missing
-from zoneq.config.model import Config
+from tests.receiver.harness import (
+    MESSAGE,
+    T0,
+    Raw,
+    leftovers,
+    nothing_left,
+    queued_id,
+    run,
+    split_received,
+    stored_body,
+    swaks,
+)
 from zoneq.errors import StorageUnavailable
 from zoneq.protocol.ids import parse_id
 from zoneq.receiver import SmtpReceiver
-from zoneq.receiver.message import received_header, scan_headers
+from zoneq.receiver.message import protocol_keyword, received_header, scan_headers
 from zoneq.storage import keys
 from zoneq.storage.leveldb import Database, Op
 from zoneq.storage.space import SpaceGuard
 from zoneq.storage.store import QueueStore
-
-T0 = 1_700_000_000_000
-TIMEOUT = 60.0
-
-Body = Callable[[SmtpReceiver, QueueStore], Awaitable[None]]
 
 
 class FailingSyncs(Database):
@@ -45,128 +47,6 @@ class FailingSyncs(Database):
         if sync and self.fail_syncs:
             raise StorageUnavailable("injected: sync failed")
         super().write(ops, sync=sync)
-
-
-def make_config(**receiver: Any) -> Config:
-    receiver.setdefault("listen", "127.0.0.1:0")
-    return Config.model_validate(
-        {
-            "server": {"hostname": "mx.zoneq.test"},
-            "zones": {"default": {}, "bounces": {}},
-            "receiver": receiver,
-        }
-    )
-
-
-def run(tmp_path: Path, body: Body, *, db: type[Database] = Database, **receiver: Any) -> None:
-    """Open a queue and a receiver, run ``body``, close both (bounded in time)."""
-
-    async def main() -> None:
-        store = QueueStore(db(tmp_path / "queue"))
-        store.recover()
-        rx = SmtpReceiver(store, make_config(**receiver), clock=lambda: T0)
-        await rx.start()
-        try:
-            await asyncio.wait_for(body(rx, store), TIMEOUT)
-        finally:
-            await rx.close()
-            await store.close()
-
-    asyncio.run(main())
-
-
-class Raw:
-    """A raw SMTP client: sends exactly the bytes given, reads whole replies."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-
-    @classmethod
-    async def connect(cls, port: int, host: str = "127.0.0.1") -> Raw:
-        reader, writer = await asyncio.open_connection(host, port)
-        return cls(reader, writer)
-
-    async def reply(self) -> str:
-        """One reply (all its lines), e.g. ``"250 2.1.0 Sender OK"``; "" at EOF."""
-        lines: list[str] = []
-        while True:
-            line = await asyncio.wait_for(self.reader.readline(), 10)
-            if not line:
-                return "\n".join(lines)
-            text = line.decode().rstrip("\r\n")
-            lines.append(text)
-            if text[3:4] != "-":
-                return "\n".join(lines)
-
-    async def send(self, data: bytes) -> None:
-        self.writer.write(data)
-        await self.writer.drain()
-
-    async def cmd(self, line: str) -> str:
-        await self.send(line.encode() + b"\r\n")
-        return await self.reply()
-
-    async def start(self, rcpt: str = "a@b.test", mail: str = "MAIL FROM:<c@d.test>") -> None:
-        """Greeting, EHLO, MAIL, RCPT and DATA, each expected to succeed."""
-        assert (await self.reply()).startswith("220 ")
-        assert (await self.cmd("EHLO client.test")).startswith("250")
-        assert (await self.cmd(mail)).startswith("250 ")
-        assert (await self.cmd(f"RCPT TO:<{rcpt}>")).startswith("250 ")
-        assert (await self.cmd("DATA")).startswith("354 ")
-
-    async def close(self) -> None:
-        self.writer.close()
-        with contextlib.suppress(ConnectionError, TimeoutError):
-            await asyncio.wait_for(self.writer.wait_closed(), 5)
-
-
-def queued_id(reply: str) -> int:
-    assert reply.startswith("250 2.0.0 Ok: queued as "), reply
-    return parse_id(reply.rsplit(" ", 1)[1])
-
-
-def leftovers(store: QueueStore) -> list[bytes]:
-    """Every message and receiving key on disk."""
-    db = store.database
-    return [*db.keys(prefix=keys.MESSAGE), *db.keys(prefix=keys.RECEIVING)]
-
-
-async def nothing_left(store: QueueStore) -> None:
-    """Wait (bounded) for abandons to land, then sweep: no message key may remain."""
-    for _ in range(200):
-        await store.drain()
-        if not leftovers(store):
-            break
-        await asyncio.sleep(0.02)
-    await store.sweep(T0 + 3_600_000, 1)
-    await store.drain()
-    assert leftovers(store) == []
-
-
-MESSAGE = (
-    b"From: Sender <c@d.test>\r\n"
-    b"To: a@b.test\r\n"
-    b"Subject: Hello there\r\n"
-    b"Message-ID: <m1@d.test>\r\n"
-    b"\r\n"
-    b"first line\r\n"
-    b".a line starting with a dot\r\n"
-    b"last line\r\n"
-)
-
-
-def stored_body(store: QueueStore, msg_id: int) -> bytes:
-    return b"".join(store.body(msg_id))
-
-
-def split_received(body: bytes) -> tuple[bytes, bytes]:
-    """(our Received field, the rest)."""
-    assert body.startswith(b"Received: from ")
-    end = body.index(b"\r\n")
-    while body[end + 2 : end + 3] in (b" ", b"\t"):
-        end = body.index(b"\r\n", end + 2)
-    return body[: end + 2], body[end + 2 :]
 
 
 # --- accepted mail --------------------------------------------------------------------------
@@ -370,6 +250,90 @@ def test_percent_hack_is_refused_even_for_allowed_clients(tmp_path: Path) -> Non
         await nothing_left(store)
 
     run(tmp_path, body)
+
+
+def test_source_routes_are_refused_at_rcpt_and_dropped_from_mail(tmp_path: Path) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.connect(rx.port)
+        await raw.reply()
+        await raw.cmd("EHLO client.test")
+        # RFC 5321 appendix C: a reverse-path route is accepted and ignored.
+        assert (await raw.cmd("MAIL FROM:<@hop.test:c@d.test>")).startswith("250 ")
+        for path in ("@relay.test:a@b.test", "@r1.test,@r2.test:a@b.test"):
+            assert (await raw.cmd(f"RCPT TO:<{path}>")).startswith("553 5.7.1"), path
+        assert (await raw.cmd("RCPT TO:<a@b.test>")).startswith("250 ")
+        assert (await raw.cmd("DATA")).startswith("354")
+        msg_id = queued_id(await raw.cmd(MESSAGE.decode() + "."))
+        assert store.message(msg_id).sender == "c@d.test"
+        assert [r.recipient.address for r in store.recipients(msg_id)] == ["a@b.test"]
+        await raw.cmd("QUIT")
+        await raw.close()
+
+    run(tmp_path, body)
+
+
+# --- slow clients ---------------------------------------------------------------------------
+
+
+async def trickle(raw: Raw, data: bytes, pause: float, limit: float) -> str:
+    """Send ``data`` a byte at a time, ``pause`` apart, until a reply comes (or ``limit``)."""
+    loop = asyncio.get_running_loop()
+    reply = asyncio.ensure_future(raw.reply())
+    started = loop.time()
+    try:
+        for byte in data:
+            if reply.done() or loop.time() - started > limit:
+                break
+            with contextlib.suppress(ConnectionError):
+                await raw.send(bytes([byte]))
+            await asyncio.wait([reply], timeout=pause)
+        return await asyncio.wait_for(reply, limit)
+    finally:
+        reply.cancel()
+
+
+@pytest.mark.parametrize("phase", ["command", "data"])
+def test_a_trickling_client_is_cut_off_within_the_request_deadline(
+    tmp_path: Path, phase: str
+) -> None:
+    """One byte every 0.3 s is never idle for the 2 s timeout, yet the request must end."""
+
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.connect(rx.port)
+        if phase == "data":
+            await raw.start()
+            data = MESSAGE * 20
+        else:
+            await raw.reply()
+            data = b"EHLO " + b"x" * 400 + b"\r\n"
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        reply = await trickle(raw, data, pause=0.3, limit=15)
+        elapsed = loop.time() - started
+        assert reply.startswith("421 4.4.2"), reply
+        # 2 s, plus at most the credit the text earned (1 octet / 0.3 s at 100 octets/s).
+        assert 1.5 < elapsed < 6, elapsed
+        await raw.close()
+        await nothing_left(store)
+
+    run(tmp_path, body, idle_timeout="2s", min_data_rate=100)
+
+
+def test_message_text_at_a_steady_pace_earns_time_beyond_the_timeout(tmp_path: Path) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.connect(rx.port)
+        await raw.start()
+        line = b"z" * 198 + b"\r\n"
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while loop.time() - started < 3:  # longer than the 2 s timeout, 2,000 octets/s
+            await raw.send(line)
+            await asyncio.sleep(0.1)
+        queued_id(await raw.cmd("."))
+        await raw.cmd("QUIT")
+        await raw.close()
+
+    run(tmp_path, body, idle_timeout="2s", min_data_rate=100)
 
 
 # --- local faults: 4xx, never 5xx, never 250 before the commit -----------------------------
@@ -584,33 +548,10 @@ def test_idle_client_is_disconnected_with_421(tmp_path: Path) -> None:
 
 
 def test_swaks_pipelined_session(tmp_path: Path) -> None:
-    swaks = shutil.which("swaks")
-    if swaks is None:
-        missing("swaks is not installed")
-    assert swaks is not None
-
     async def body(rx: SmtpReceiver, store: QueueStore) -> None:
-        proc = await asyncio.create_subprocess_exec(
-            swaks,
-            "--server",
-            f"127.0.0.1:{rx.port}",
-            "--to",
-            "a@b.test",
-            "--from",
-            "c@d.test",
-            "--pipeline",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, "LC_ALL": "C"},
-        )
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), 30)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-        assert proc.returncode == 0, out.decode(errors="replace")
-        [line] = [x for x in out.decode().splitlines() if "queued as" in x]
+        status, out = await swaks(rx.port, "--pipeline")
+        assert status == 0, out
+        [line] = [x for x in out.splitlines() if "queued as" in x]
         msg_id = parse_id(line.rsplit(" ", 1)[1])
         assert store.message(msg_id).sender == "c@d.test"
         assert [r.recipient.address for r in store.recipients(msg_id)] == ["a@b.test"]
@@ -642,6 +583,23 @@ def test_received_header_folds_and_quotes() -> None:
         "for <someone.with.a.long.name@a-rather-long-domain-name.example>;"
         " Tue, 14 Nov 2023 22:13:20 +0000"
     )
+
+
+@pytest.mark.parametrize(
+    ("utf8", "esmtp", "tls", "auth", "keyword"),
+    [
+        (False, False, False, False, "SMTP"),
+        (False, False, True, True, "SMTP"),  # HELO: no extensions, so no RFC 3848 keyword
+        (False, True, False, False, "ESMTP"),
+        (False, True, True, False, "ESMTPS"),
+        (False, True, False, True, "ESMTPA"),
+        (False, True, True, True, "ESMTPSA"),
+        (True, True, False, False, "UTF8SMTP"),
+        (True, True, True, True, "UTF8SMTPSA"),
+    ],
+)
+def test_protocol_keyword(utf8: bool, esmtp: bool, tls: bool, auth: bool, keyword: str) -> None:
+    assert protocol_keyword(utf8=utf8, esmtp=esmtp, tls=tls, auth=auth) == keyword
 
 
 def test_scan_headers() -> None:

@@ -5,7 +5,9 @@ Prints, in one run (figures depend on the machine; compare the ratio):
 1. zoneq: ``python -m zoneq serve`` on a config in a temporary directory (the queue there,
    ``[receiver] listen`` on a free port of 127.0.0.1, commits synced as by default), then
    Postfix's smtp-source with ``--sessions`` sessions sending ``--messages`` 1 KB messages
-   (one recipient each) to it.  The wall time of the whole smtp-source run gives accepts/s.
+   (one recipient each) to it.  The wall time of the whole smtp-source run gives accepts/s,
+   and the CPU time of the server's process tree meanwhile gives CPU per message, a figure
+   that other work on a shared machine disturbs far less than the rate.
    The queue is then opened after ``zoneq serve`` has stopped and its messages counted: a
    250 counts only if its message is there.
 2. The p99 (and p50, max) time from sending the final dot to reading the 250, measured by
@@ -120,10 +122,15 @@ class Phase:
     accepted: int = 0  # 250s seen by the client
     stored: int = -1  # messages found in the queue afterwards (-1: not counted)
     delivery_events: int = -1  # zoneq: events logged by deliveries (should be few)
+    cpu_seconds: float = -1.0  # CPU used by the server's processes during the load
     seconds: float = 0.0
     complete: bool = False
     note: str = ""
     latencies_ms: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def cpu_ms_per_message(self) -> float:
+        return 1000 * self.cpu_seconds / self.accepted if self.accepted else 0.0
 
     @property
     def rate(self) -> float:
@@ -145,6 +152,41 @@ class Phase:
 
 
 # --- the loads ---------------------------------------------------------------------------
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU of ``root`` and every process below it, including their children
+    that have exited and been waited for (``/proc/PID/stat`` fields 14-17).
+
+    CPU per message is a figure that other work on the machine disturbs much less than
+    the rate: compare it alongside the ratio on a busy machine.
+    """
+    parents: dict[int, int] = {}
+    times: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            parents[int(entry.name)] = int(fields[1])
+            times[int(entry.name)] = sum(int(x) for x in fields[11:15])
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in tree:
+                tree.add(pid)
+                frontier.append(pid)
+    return sum(times.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
+
+
+def run_measured(name: str, server_pid: int | None, port: int, args: argparse.Namespace) -> Phase:
+    """``run_smtp_source``, with the CPU the server's process tree used meanwhile."""
+    before = tree_cpu_seconds(server_pid) if server_pid is not None else 0.0
+    phase = run_smtp_source(name, port, args.messages, args.sessions, args.timeout)
+    if server_pid is not None:
+        phase.cpu_seconds = tree_cpu_seconds(server_pid) - before
+    return phase
 
 
 def run_smtp_source(name: str, port: int, messages: int, sessions: int, timeout: float) -> Phase:
@@ -339,7 +381,7 @@ def bench_zoneq(args: argparse.Namespace, directory: Path) -> tuple[Phase, Phase
             serve.wait_ready(expected_workers=2, timeout=START_TIMEOUT_S)
             if not wait_listening(port, time.monotonic() + START_TIMEOUT_S):
                 raise RuntimeError(f"zoneq serve is not listening on {port}")
-            load = run_smtp_source("zoneq accept", port, args.messages, args.sessions, args.timeout)
+            load = run_measured("zoneq accept", serve.pid, port, args)
             latency = run_latency("zoneq latency", port, args.latency_messages, args.timeout)
         except RuntimeError as exc:
             load.note = load.note or str(exc)[:300]
@@ -480,7 +522,7 @@ def bench_postfix(args: argparse.Namespace, directory: Path) -> tuple[Phase, Pha
         master_pid = postfix_master_pid(config_dir)
         if not wait_listening(port, time.monotonic() + START_TIMEOUT_S):
             raise RuntimeError(f"postfix is not listening on {port}")
-        load = run_smtp_source("postfix accept", port, args.messages, args.sessions, args.timeout)
+        load = run_measured("postfix accept", master_pid, port, args)
         latency = run_latency("postfix latency", port, args.latency_messages, args.timeout)
     except (subprocess.SubprocessError, RuntimeError) as exc:
         load.note = load.note or str(exc)[:300]
@@ -495,14 +537,23 @@ def bench_postfix(args: argparse.Namespace, directory: Path) -> tuple[Phase, Pha
 # --- the run -----------------------------------------------------------------------------
 
 
-def table(args: argparse.Namespace, phases: dict[str, Phase]) -> str:
+def load_average() -> str:
+    """The 1-minute load average: how busy the machine was (other work skews the figures;
+    compare the ratio of a run, not absolute rates across runs)."""
+    with contextlib.suppress(OSError):
+        return Path("/proc/loadavg").read_text().split()[0]
+    return "?"
+
+
+def table(args: argparse.Namespace, phases: dict[str, Phase], loads: tuple[str, str]) -> str:
     zq, zl, pf, pl = (phases[k] for k in ("zoneq", "zoneq_latency", "postfix", "postfix_lat"))
     rows = [
-        f"CPUs: {os.cpu_count()}; smtp-source sessions: {args.sessions}; messages: "
+        f"CPUs: {os.cpu_count()}; load average {loads[0]} at the start, {loads[1]} at the "
+        f"end; smtp-source sessions: {args.sessions}; messages: "
         f"{args.messages} x {MESSAGE_SIZE} B; latency: {args.latency_messages} sequential "
         "messages on one connection",
         f"{'phase':<18}{'accepted':>13}{'stored':>8}{'seconds':>9}{'per second':>12}"
-        f"{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}  note",
+        f"{'CPU ms/msg':>11}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}  note",
     ]
     for label, load, lat in (("zoneq", zq, zl), ("postfix", pf, pl)):
         stored = str(load.stored) if load.stored >= 0 else "-"
@@ -514,9 +565,10 @@ def table(args: argparse.Namespace, phases: dict[str, Phase]) -> str:
         else:
             lat_cols = f"{'-':>9}{'-':>9}{'-':>9}"
         notes = "; ".join(n for n in (load.note, lat.note) if n)
+        cpu = f"{load.cpu_ms_per_message:.3f}" if load.cpu_seconds >= 0 else "-"
         rows.append(
             f"{label:<18}{f'{load.accepted}/{load.expected}':>13}{stored:>8}"
-            f"{load.seconds:>9.2f}{load.rate:>12.0f}{lat_cols}  {notes}".rstrip()
+            f"{load.seconds:>9.2f}{load.rate:>12.0f}{cpu:>11}{lat_cols}  {notes}".rstrip()
         )
     if zq.delivery_events >= 0:
         rows.append(
@@ -530,7 +582,8 @@ def table(args: argparse.Namespace, phases: dict[str, Phase]) -> str:
     rows.append(
         f"{verdict} zoneq {zq.rate:.0f} accepts/s = {ratio:.2f} x Postfix {pf.rate:.0f} "
         f"accepts/s (goal 2.00 x); p99 end of DATA -> 250: zoneq "
-        f"{zl.percentile(0.99):.2f} ms, Postfix {pl.percentile(0.99):.2f} ms"
+        f"{zl.percentile(0.99):.2f} ms, Postfix {pl.percentile(0.99):.2f} ms; CPU per "
+        f"message: zoneq {zq.cpu_ms_per_message:.3f} ms, Postfix {pf.cpu_ms_per_message:.3f} ms"
     )
     return "\n".join(rows)
 
@@ -561,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("the Postfix half needs root", file=sys.stderr)
         return EXIT_MISSING
+    load_before = load_average()
     directory = Path(tempfile.mkdtemp(prefix="zoneq-abench-"))
     directory.chmod(0o755)  # Postfix's daemons (user postfix) must reach their queue
     try:
@@ -579,10 +633,12 @@ def main(argv: list[str] | None = None) -> int:
         "postfix": postfix,
         "postfix_lat": postfix_lat,
     }
-    print(table(args, phases))
+    loads = (load_before, load_average())
+    print(table(args, phases, loads))
     if args.json is not None:
         report = {
             "cpus": os.cpu_count(),
+            "load_average": loads,
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "message_size": MESSAGE_SIZE,
             "phases": [p.summary() for p in phases.values()],

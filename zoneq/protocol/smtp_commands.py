@@ -20,8 +20,12 @@ Choices:
   a recognised keyword with a bad value is 501 5.5.4; BODY=BINARYMIME, a value defined by
   RFC 3030 but not offered, is 504 5.5.4 (parameter not implemented).
 * A space after ``FROM:`` / ``TO:`` is tolerated (RFC 5321 forbids it, many clients send
-  it, and it is unambiguous); a source route (``<@a,@b:user@c>``) is accepted and dropped
-  (RFC 5321 section 4.1.2 and appendix C).
+  it, and it is unambiguous).
+* A source route (``<@a,@b:user@c>``, RFC 5321 section 4.1.2 A-d-l) is parsed, never
+  followed.  In a reverse-path it is dropped (appendix C: servers "MUST be prepared to
+  receive" it, section 3.6.1: they SHOULD ignore it).  In a forward-path it is handed on
+  in ``RcptCommand.route`` so that the driver can refuse it (section 3.6.1: servers "MAY
+  decline ... to accept addresses that specify source routes"); the receiver does.
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ _VALUE: Final = re.compile(r"[\x21-\x3c\x3e-\x7e\u0080-\U0010ffff]+")
 # RFC 5322 section 3.2.3 atom, for the ORCPT addr-type (RFC 3461 section 4.2).
 _ATOM: Final = re.compile(r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+")
 _VERB: Final = re.compile(r"[A-Za-z]+")
+# RFC 5321 section 4.1.2: A-d-l = At-domain *( "," At-domain ); At-domain = "@" Domain.
+# The domains are only checked to be printable words: the route is never followed.
+_HOP: Final = r"@[^\x00-\x20\x7f@,:<>\\\"]+"
+_ROUTE: Final = re.compile(rf"{_HOP}(?:,{_HOP})*")
 
 
 class CommandError(ProtocolError):
@@ -119,6 +127,7 @@ class RcptCommand:
     recipient: str
     notify: frozenset[Notify] | None = None
     orcpt: str | None = None
+    route: str | None = None  # the A-d-l ("@a,@b") of a source-routed path, if any
 
 
 def split_command(line: str) -> tuple[str, str]:
@@ -161,13 +170,19 @@ def _split_path(argument: str, prefix: str) -> tuple[str, str]:
     raise CommandError(bad_arguments("Address must be enclosed in <>"))
 
 
+def _split_route(path: str) -> tuple[str | None, str]:
+    """``"@a,@b:user@c"`` -> ``("@a,@b", "user@c")`` (RFC 5321 section 4.1.2: Path =
+    "<" [ A-d-l ":" ] Mailbox ">"); a path without a route -> ``(None, path)``."""
+    if not path.startswith("@"):
+        return None, path
+    route, colon, mailbox = path.partition(":")
+    if not colon or not _ROUTE.fullmatch(route):
+        raise CommandError(_reply(501, "Bad source route", 5, 1, 3))
+    return route, mailbox
+
+
 def _check_mailbox(path: str, *, utf8: bool, postmaster_ok: bool = False) -> str:
-    """Validate a path's content and return the mailbox (source route removed)."""
-    if path.startswith("@"):
-        # RFC 5321 section 4.1.2: A-d-l ":" Mailbox; section C: the route is ignored.
-        _route, colon, path = path.partition(":")
-        if not colon:
-            raise CommandError(_reply(501, "Bad source route", 5, 1, 3))
+    """Validate a mailbox (a path's content without its source route) and return it."""
     if postmaster_ok and path.lower() == "postmaster":
         return path  # RFC 5321 section 4.1.1.3: "<Postmaster>" without a domain.
     local, at, domain = path.rpartition("@")
@@ -276,7 +291,8 @@ def parse_mail(argument: str, *, esmtp: bool, max_size: int) -> MailCommand:
     smtputf8 = "SMTPUTF8" in params
     if smtputf8:
         _no_value("SMTPUTF8", params["SMTPUTF8"])  # RFC 6531 section 3.4
-    sender = "" if path == "" else _check_mailbox(path, utf8=smtputf8)
+    # The reverse-path's route is dropped (appendix C): bounces go to the mailbox itself.
+    sender = "" if path == "" else _check_mailbox(_split_route(path)[1], utf8=smtputf8)
     size = _size(params["SIZE"], max_size) if "SIZE" in params else None
     body = _body(params["BODY"]) if "BODY" in params else None
     ret = _ret(params["RET"]) if "RET" in params else None
@@ -321,7 +337,8 @@ def parse_rcpt(argument: str, *, esmtp: bool, smtputf8: bool) -> RcptCommand:
     3.5: only then may the address be non-ASCII).
     """
     path, param_text = _split_path(argument, "TO:")
-    recipient = _check_mailbox(path, utf8=smtputf8, postmaster_ok=True)
+    route, mailbox = _split_route(path)
+    recipient = _check_mailbox(mailbox, utf8=smtputf8, postmaster_ok=True)
     params = _parameters(param_text)
     if params and not esmtp:
         raise CommandError(_unsupported_parameter(next(iter(params))))
@@ -334,4 +351,4 @@ def parse_rcpt(argument: str, *, esmtp: bool, smtputf8: bool) -> RcptCommand:
             orcpt = _check_orcpt(_value(key, value))
         else:
             raise CommandError(_unsupported_parameter(key))
-    return RcptCommand(recipient, notify, orcpt)
+    return RcptCommand(recipient, notify, orcpt, route)

@@ -68,12 +68,15 @@ class MailFrom(Event):
 
 @dataclass(frozen=True, slots=True)
 class RcptTo(Event):
-    """RCPT TO (RFC 5321 4.1.1.3, RFC 3461 4.1-4.2).  ``orcpt`` is the raw ``type;xtext``."""
+    """RCPT TO (RFC 5321 4.1.1.3, RFC 3461 4.1-4.2).  ``orcpt`` is the raw ``type;xtext``;
+    ``route`` the source route ("@a,@b") the path carried before ``address``, if any: the
+    machine never follows it, the driver decides whether to accept such an address."""
 
     _awaits_decision: ClassVar[bool] = True
     address: str
     notify: frozenset[Notify] | None = None
     orcpt: str | None = None
+    route: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

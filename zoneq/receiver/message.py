@@ -20,7 +20,14 @@ from datetime import UTC, datetime
 from email.utils import format_datetime
 from typing import Final
 
-__all__ = ["MAX_RECEIVED", "HeaderScan", "address_literal", "received_header", "scan_headers"]
+__all__ = [
+    "MAX_RECEIVED",
+    "HeaderScan",
+    "address_literal",
+    "protocol_keyword",
+    "received_header",
+    "scan_headers",
+]
 
 MAX_RECEIVED: Final = 50
 """More ``Received:`` fields than this and the message is taken to be looping (554 5.4.6).
@@ -50,6 +57,14 @@ def _clean(text: str) -> str:
     return "".join(c if 33 <= ord(c) < 127 and c not in "()\\;<>" else "?" for c in text)
 
 
+def protocol_keyword(*, utf8: bool, esmtp: bool, tls: bool, auth: bool) -> str:
+    """The ``with`` keyword of the Received field: SMTP after HELO, else ESMTP or UTF8SMTP
+    (RFC 6531 section 3.7.3) with "S" for TLS and "A" for AUTH (RFC 3848 section 2)."""
+    if not esmtp and not utf8:
+        return "SMTP"
+    return ("UTF8SMTP" if utf8 else "ESMTP") + ("S" if tls else "") + ("A" if auth else "")
+
+
 def received_header(
     *,
     helo: str,
@@ -63,8 +78,7 @@ def received_header(
     """The ``Received:`` field, CRLF-terminated (RFC 5321 section 4.4, RFC 5322 3.6.7).
 
     ``recipient`` is given only when the message has exactly one (section 7.2: listing
-    several would disclose the others).  ``protocol`` is ``SMTP``, ``ESMTP`` or
-    ``UTF8SMTP`` (RFC 3848, RFC 6531 section 3.7.3).
+    several would disclose the others).  ``protocol`` is from ``protocol_keyword``.
     """
     when = format_datetime(datetime.fromtimestamp(now_ms / 1000, tz=UTC))
     parts = [

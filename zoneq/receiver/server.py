@@ -21,9 +21,14 @@ Choices:
 
 * Local faults are never 5xx: a queue that refuses anything answers 451 4.3.0 (452 4.3.1
   for the free-space floor), so the client keeps the message and retries.
-* Relaying is by client address only (``receiver.allow_networks``); others get 554 5.7.1
-  at RCPT.  A percent-hack address (``user%host@relay``) is refused with 550 5.7.1 from
-  every client: it asks the next hop to relay, which nobody should rely on.
+* Relaying: clients in ``receiver.allow_networks`` and clients that authenticated; others
+  get 554 5.7.1 at RCPT.  Source routes and the percent hack are refused from everyone
+  (``relay.py``).
+* STARTTLS (``tls.py``) is offered when a certificate is configured; AUTH PLAIN and LOGIN
+  (``auth.py``) once TLS is active and users are configured.
+* Each request (a command, or the text after 354) must complete within the idle timeout,
+  which message text extends at ``min_data_rate`` (``deadline.py``): a client that
+  trickles a byte at a time is cut off with 421 4.4.2 all the same.
 * Loops: more than ``MAX_RECEIVED`` Received fields in the first chunk is 554 5.4.6 at the
   final dot (RFC 3463 section 3.5, "routing loop detected").
 * Routing: every recipient goes to ``routing.default_zone`` for now (``route``).
@@ -33,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -46,6 +50,8 @@ from zoneq.protocol.ids import format_id
 from zoneq.protocol.replies import INSUFFICIENT_STORAGE, LOCAL_ERROR, EnhancedStatus, Reply
 from zoneq.protocol.smtp_commands import BodyType
 from zoneq.protocol.smtp_server import (
+    AuthRequest,
+    AuthResponse,
     DataChunk,
     DataEnd,
     DataStart,
@@ -56,8 +62,20 @@ from zoneq.protocol.smtp_server import (
     RcptTo,
     Reset,
     ServerConnection,
+    StartTLS,
+    State,
 )
-from zoneq.receiver.message import MAX_RECEIVED, received_header, scan_headers
+from zoneq.queue.routing import route
+from zoneq.receiver.auth import Authenticator, AuthSession, Outcome
+from zoneq.receiver.deadline import RequestDeadline
+from zoneq.receiver.message import (
+    MAX_RECEIVED,
+    protocol_keyword,
+    received_header,
+    scan_headers,
+)
+from zoneq.receiver.relay import RELAY_DENIED, RelayPolicy, address_refusal
+from zoneq.receiver.tls import server_context, start_tls
 from zoneq.storage.records import MessageMeta, NewRecipient
 from zoneq.storage.store import QueueStore
 
@@ -73,8 +91,6 @@ def _r(code: int, text: str, klass: int, subject: int, detail: int) -> Reply:
     return Reply(code, (text,), EnhancedStatus(klass, subject, detail))
 
 
-RELAY_DENIED: Final = _r(554, "Relay access denied", 5, 7, 1)
-PERCENT_HACK: Final = _r(550, "Percent-hack addresses are not accepted", 5, 7, 1)
 MAIL_LOOP: Final = _r(554, "Too many Received headers: mail loop detected", 5, 4, 6)
 
 
@@ -82,10 +98,8 @@ def _bye(code_text: str, klass: int, subject: int, detail: int, hostname: str) -
     return Reply(421, (f"{hostname} {code_text}",), EnhancedStatus(klass, subject, detail))
 
 
-def route(config: Config, recipient: str) -> str:
-    """The zone a recipient is queued in.  Zone rules will replace this; for now, every
-    recipient goes to the default zone."""
-    return config.routing.default_zone
+class _SessionOver(Exception):
+    """The session cannot go on (a failed TLS handshake): close without a reply."""
 
 
 def _notify_keywords(notify: frozenset[Notify] | None) -> tuple[str, ...]:
@@ -102,7 +116,13 @@ class SmtpReceiver:
         self.config = config
         self.clock = clock
         self.hostname = config.server.resolved_hostname()
-        self._networks = config.receiver.networks
+        self.relay_policy = RelayPolicy(config.receiver.networks)
+        cert, key = config.receiver.tls_cert, config.receiver.tls_key
+        self.tls_context = None if cert is None or key is None else server_context(cert, key)
+        self.authenticator = Authenticator(config.receiver.auth_users)
+        # Read once: parsing them for every session showed in the accept-path profile.
+        self.idle_timeout_s = config.receiver.idle_timeout_s
+        self.max_message_size = int(config.receiver.max_message_size)
         self._server: asyncio.Server | None = None
         self._port = 0
         self._sessions: set[_Session] = set()
@@ -140,15 +160,6 @@ class SmtpReceiver:
                 await asyncio.wait(late, timeout=_CLOSE_GRACE_S)
         if self._server is not None:
             await self._server.wait_closed()
-
-    def relay_allowed(self, ip: str) -> bool:
-        try:
-            address = ipaddress.ip_address(ip)
-        except ValueError:
-            return False
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
-        return any(address in network for network in self._networks)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
@@ -198,10 +209,15 @@ class _Session:
         self.task: asyncio.Task[None] | None = None
         self.conn = ServerConnection(
             receiver.hostname,
-            max_message_size=int(config.receiver.max_message_size),
+            max_message_size=receiver.max_message_size,
             max_recipients=config.receiver.max_recipients,
+            tls_offered=receiver.tls_context is not None,
+            auth_offered=receiver.authenticator.enabled,
         )
-        self.relay = receiver.relay_allowed(ip)
+        self.relay_by_address = receiver.relay_policy.client_allowed(ip)
+        self.auth = AuthSession(receiver.authenticator, ip)
+        self.tls = ""  # the TLS version, once STARTTLS succeeded
+        self.deadline = RequestDeadline(receiver.idle_timeout_s, config.receiver.min_data_rate)
         self.chunk_size = config.storage.chunk_size
         self.helo = ""
         self.esmtp = False
@@ -227,8 +243,11 @@ class _Session:
         if self._waiting_input and self.task is not None:
             self.task.cancel()
 
+    @property
+    def relay(self) -> bool:
+        return self.relay_by_address or self.auth.user is not None
+
     async def run(self) -> None:
-        timeout = self.receiver.config.receiver.idle_timeout_s
         try:
             self.writer.write(self.conn.greeting())
             while not self.conn.closed:
@@ -236,31 +255,52 @@ class _Session:
                 if self._stopping:
                     self._say_bye("Service shutting down", 4, 3, 2)
                     break
-                self._waiting_input = True
-                try:
-                    data = await asyncio.wait_for(self.reader.read(_READ_SIZE), timeout)
-                except TimeoutError:
-                    self._say_bye("Idle timeout, closing connection", 4, 4, 2)
+                data = await self._read()
+                if data is None:
+                    self._say_bye("Timeout, closing connection", 4, 4, 2)
                     break
-                finally:
-                    self._waiting_input = False
                 if not data:
                     break  # the client went away
                 await self._handle(self.conn.receive(data))
-                self.writer.write(self.conn.data_to_send())
+                out = self.conn.data_to_send()
+                if out:
+                    self.deadline.restart()  # a request was answered: the next one starts
+                    self.writer.write(out)
             await self.writer.drain()
         except asyncio.CancelledError:
             if not self._stopping:
                 raise
             # close() interrupted a read: say goodbye below.
             self._say_bye("Service shutting down", 4, 3, 2)
-        except (ConnectionError, OSError):
-            pass  # the client went away mid-write
+        except (ConnectionError, OSError, _SessionOver):
+            pass  # the client went away mid-write, or the TLS handshake failed
         finally:
             await self._end_transaction()
             self.writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.writer.wait_closed(), 1.0)
+
+    async def _read(self) -> bytes | None:
+        """The next bytes from the client ("" at EOF), or None when the request in progress
+        ran out of time (``deadline.py``)."""
+        deadline = self.deadline
+        if deadline.expired:
+            return None
+        in_data = self.conn.state is State.DATA
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        self._waiting_input = True
+        try:
+            # asyncio.timeout rather than wait_for: no extra task per read (the accept path
+            # reads seven times per message).
+            async with asyncio.timeout(deadline.left):
+                data = await self.reader.read(_READ_SIZE)
+        except TimeoutError:
+            return None
+        finally:
+            self._waiting_input = False
+        deadline.spend(loop.time() - started, len(data) if in_data else 0)
+        return data
 
     def _say_bye(self, text: str, klass: int, subject: int, detail: int) -> None:
         with contextlib.suppress(Exception):
@@ -288,9 +328,34 @@ class _Session:
                 await self._end_transaction()
             elif isinstance(event, Reset | Quit):
                 await self._end_transaction()
-            elif event.needs_decision:
-                # AUTH is not offered, so the machine never asks; refuse rather than hang.
-                queue.extend(self.conn.reject(_r(502, "Not available", 5, 5, 1)))
+            elif isinstance(event, StartTLS):
+                await self._starttls()
+            elif isinstance(event, AuthRequest):
+                queue.extend(self._auth(await self.auth.request(event.mechanism, event.initial)))
+            elif isinstance(event, AuthResponse):
+                queue.extend(self._auth(await self.auth.response(event.data)))
+
+    async def _starttls(self) -> None:
+        """RFC 3207: the 220 out, the handshake, and the session starts over (no EHLO)."""
+        await self._end_transaction()
+        context = self.receiver.tls_context
+        assert context is not None  # the machine offers STARTTLS only with a context
+        self.writer.write(self.conn.data_to_send())
+        timeout = self.receiver.idle_timeout_s
+        if not await start_tls(self.reader, self.writer, context, timeout_s=timeout, peer=self.ip):
+            raise _SessionOver
+        ssl_object = self.writer.get_extra_info("ssl_object")
+        self.tls = str(ssl_object.version()) if ssl_object is not None else "TLS"
+        self.helo = ""
+        self.deadline.restart()
+        self.conn.tls_established()
+
+    def _auth(self, outcome: Outcome) -> list[Event]:
+        if isinstance(outcome, bytes):
+            return self.conn.challenge(outcome)
+        if outcome.code == 235:
+            return self.conn.accept(outcome)
+        return self.conn.reject(outcome)
 
     # --- decisions -----------------------------------------------------------------------
 
@@ -312,9 +377,9 @@ class _Session:
 
     def _rcpt(self, event: RcptTo) -> list[Event]:
         address = event.address
-        local, at, _ = address.rpartition("@")
-        if "%" in (local if at else address):
-            return self.conn.reject(PERCENT_HACK)
+        refusal = address_refusal(address, event.route)
+        if refusal is not None:
+            return self.conn.reject(refusal)
         if not self.relay:
             return self.conn.reject(RELAY_DENIED)
         zone = route(self.receiver.config, address)
@@ -324,7 +389,12 @@ class _Session:
 
     def _data_start(self) -> list[Event]:
         assert self.msg_id is not None and self.mail is not None
-        protocol = "UTF8SMTP" if self.mail.smtputf8 else "ESMTP" if self.esmtp else "SMTP"
+        protocol = protocol_keyword(
+            utf8=self.mail.smtputf8,
+            esmtp=self.esmtp,
+            tls=bool(self.tls),
+            auth=self.auth.user is not None,
+        )
         single = self.recipients[0].address if len(self.recipients) == 1 else None
         header = received_header(
             helo=self.helo,
@@ -395,7 +465,7 @@ class _Session:
             smtputf8=mail.smtputf8,
             body_8bit=mail.body is BodyType.EIGHT_BIT_MIME,
             headers=dict(self.headers),
-            source={"client": self.ip, "helo": self.helo, "protocol": "smtp"},
+            source=self._source(),
         )
         # Replies to pipelined commands before the dot go out while the commit syncs.
         self.writer.write(self.conn.data_to_send())
@@ -411,6 +481,14 @@ class _Session:
         self._reset_message()
         queued = Reply(250, (f"Ok: queued as {format_id(msg_id)}",), EnhancedStatus(2, 0, 0))
         return self.conn.accept(queued)
+
+    def _source(self) -> dict[str, str]:
+        source = {"client": self.ip, "helo": self.helo, "protocol": "smtp"}
+        if self.tls:
+            source["tls"] = self.tls
+        if self.auth.user is not None:
+            source["auth"] = self.auth.user
+        return source
 
     # --- the transaction -----------------------------------------------------------------
 

@@ -1,0 +1,61 @@
+"""``[receiver]`` TLS and AUTH settings are checked at load, each problem under its key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.receiver.conftest import TlsFiles
+from zoneq.config import check_config, load_config
+from zoneq.receiver.passwords import hash_password
+
+BASE = "[zones.default]\n[zones.bounces]\n[receiver]\n"
+
+
+def problems(tmp_path: Path, receiver: str) -> list[str]:
+    path = tmp_path / "zones.toml"
+    path.write_text(BASE + receiver)
+    return check_config(path)
+
+
+def test_a_valid_tls_and_auth_section_loads(tmp_path: Path, tls_files: TlsFiles) -> None:
+    stored = hash_password("pw", log_n=4)
+    text = (
+        f'tls_cert = "{tls_files.cert}"\ntls_key = "{tls_files.key}"\n'
+        f'[receiver.auth_users]\nalice = "{stored}"\n'
+    )
+    assert problems(tmp_path, text) == []
+    receiver = load_config(tmp_path / "zones.toml").receiver
+    assert receiver.tls_cert == tls_files.cert
+    assert receiver.auth_users == {"alice": stored}
+
+
+@pytest.mark.parametrize(
+    ("case", "key", "words"),
+    [
+        ("missing file", "receiver.tls_cert", "no such file"),
+        ("key of another certificate", "receiver.tls_cert", "do not load as a pair"),
+        ("cert without key", "receiver.tls_key", "set together"),
+        ("auth without tls", "receiver.auth_users", "only after STARTTLS"),
+        ("not a hash", "receiver.auth_users.alice", "zoneq hash-password"),
+    ],
+)
+def test_each_problem_names_its_key(
+    tmp_path: Path, tls_files: TlsFiles, case: str, key: str, words: str
+) -> None:
+    tls = f'tls_cert = "{tls_files.cert}"\ntls_key = "{tls_files.key}"\n'
+    text = {
+        "missing file": f'tls_cert = "{tmp_path / "nope.crt"}"\ntls_key = "{tls_files.key}"\n',
+        "key of another certificate": (
+            f'tls_cert = "{tls_files.cert}"\ntls_key = "{tls_files.other_key}"\n'
+        ),
+        "cert without key": f'tls_cert = "{tls_files.cert}"\n',
+        "auth without tls": f'[receiver.auth_users]\nalice = "{hash_password("p", log_n=4)}"\n',
+        "not a hash": tls + '[receiver.auth_users]\nalice = "hunter2"\n',
+    }[case]
+    found = problems(tmp_path, text)
+    assert len(found) == 1, found
+    assert found[0].startswith(key), found
+    assert words in found[0], found
+    assert "hunter2" not in found[0]  # a password pasted by mistake is not echoed

@@ -1,0 +1,117 @@
+"""SMTP AUTH for the receiver (RFC 4954): the user store and one session's exchanges.
+
+Users and their password hashes come from ``receiver.auth_users`` (``passwords.py`` for the
+hash format).  The state machine offers AUTH only once TLS is active (RFC 4954 section 4
+leaves that to policy; sending a password in clear text is never right) and answers 538
+5.7.11 to AUTH before STARTTLS.  Here:
+
+* A check runs scrypt in a worker thread, so a 50 ms hash never stalls other sessions; an
+  unknown user is checked against a dummy hash, so the answer takes as long either way.
+* A failed check answers 535 5.7.8 (RFC 4954 section 6) only after ``FAILURE_DELAY_S``,
+  which slows down guessing; after ``MAX_FAILURES`` in one session the client gets 421
+  and the connection is closed (as Postfix's ``smtpd_hard_error_limit`` would).
+* An authorization identity other than the user (RFC 4616 section 2) is refused: zoneq
+  does not let one user act as another.
+* Passwords are never logged; the user name is, and is stored with each message the
+  session sends (``MessageMeta.source["auth"]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Final
+
+from zoneq.protocol.replies import EnhancedStatus, Reply
+from zoneq.receiver.passwords import DUMMY_HASH, verify_password
+from zoneq.receiver.sasl import Credentials, SaslError, SaslExchange
+
+__all__ = ["AUTH_FAILED", "AuthSession", "Authenticator", "Outcome"]
+
+log = logging.getLogger("zoneq.receiver")
+
+FAILURE_DELAY_S: Final = 1.0
+MAX_FAILURES: Final = 3
+AUTH_OK: Final = Reply(235, ("Authentication successful",), EnhancedStatus(2, 7, 0))
+AUTH_FAILED: Final = Reply(535, ("Authentication credentials invalid",), EnhancedStatus(5, 7, 8))
+TOO_MANY_FAILURES: Final = Reply(
+    421, ("Too many authentication failures, closing",), EnhancedStatus(4, 7, 0)
+)
+
+
+class Authenticator:
+    """Checks credentials against the configured users (name -> scrypt hash)."""
+
+    def __init__(
+        self, users: Mapping[str, str], *, failure_delay_s: float = FAILURE_DELAY_S
+    ) -> None:
+        self._users = dict(users)
+        self.failure_delay_s = failure_delay_s
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._users)
+
+    async def check(self, credentials: Credentials) -> bool:
+        """True when the credentials are right; a wrong answer comes after the delay."""
+        stored = self._users.get(credentials.username)
+        loop = asyncio.get_running_loop()
+        matched = await loop.run_in_executor(
+            None, verify_password, stored or DUMMY_HASH, credentials.password
+        )
+        ok = matched and stored is not None and credentials.authzid in ("", credentials.username)
+        if not ok:
+            await asyncio.sleep(self.failure_delay_s)
+        return ok
+
+
+Outcome = bytes | Reply
+"""What to do with a pending AUTH event: a challenge to send (bytes), or the final reply
+(235 accepts; anything else rejects)."""
+
+
+class AuthSession:
+    """The AUTH state of one SMTP session: the exchange in progress and the result."""
+
+    def __init__(self, authenticator: Authenticator, peer: str) -> None:
+        self._authenticator = authenticator
+        self._peer = peer
+        self._exchange: SaslExchange | None = None
+        self.failures = 0
+        self.user: str | None = None
+
+    async def request(self, mechanism: str, initial: bytes | None) -> Outcome:
+        """AUTH ``mechanism`` [initial response]."""
+        self._exchange = SaslExchange(mechanism)
+        try:
+            step = self._exchange.start(initial)
+        except SaslError as exc:
+            return self._malformed(exc)
+        return await self._settle(step)
+
+    async def response(self, data: bytes) -> Outcome:
+        """The client's answer to our last challenge."""
+        if self._exchange is None:
+            raise RuntimeError("AUTH response without an exchange in progress")
+        try:
+            step = self._exchange.step(data)
+        except SaslError as exc:
+            return self._malformed(exc)
+        return await self._settle(step)
+
+    def _malformed(self, exc: SaslError) -> Reply:
+        self._exchange = None
+        return exc.reply
+
+    async def _settle(self, step: bytes | Credentials) -> Outcome:
+        if isinstance(step, bytes):
+            return step
+        self._exchange = None
+        if await self._authenticator.check(step):
+            self.user = step.username
+            log.info("%s: authenticated as %r", self._peer, step.username)
+            return AUTH_OK
+        self.failures += 1
+        log.warning("%s: authentication failed for %r", self._peer, step.username)
+        return TOO_MANY_FAILURES if self.failures >= MAX_FAILURES else AUTH_FAILED
