@@ -23,11 +23,25 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:  # feedback.py builds on RateLimiter below; the scheduler only calls it
+    from zoneq.queue.feedback import DomainFeedback
 
 T = TypeVar("T")
 
 DEFAULT_MAX_RECIPIENTS = 50
+
+ZONE_BURST = 2
+"""GCRA's tolerance for a zone's rate, in jobs: 2 lets a job start up to one interval early.
+
+Not a burst in the usual sense: a job is never early by more than one interval, so two
+start at once at most, and any window of ``n`` intervals holds at most ``n + 1`` jobs.
+What it buys is the long-run rate.  With a tolerance of 1 (none), every job that starts
+late (the worker woke a millisecond after its time, or was busy) pushes every later job
+back by as much, and the zone falls short of its setting on a loaded host; one interval
+of tolerance lets the next job make that time up.  (ITU-T I.371's cell delay variation
+tolerance is the same idea.)"""
 
 
 class RateLimiter:
@@ -41,6 +55,14 @@ class RateLimiter:
         self._interval = per_ms / count if count else 0.0
         self._slack = (burst - 1) * self._interval
         self._tat = 0.0
+
+    @classmethod
+    def zone(cls, limit: tuple[int, int] | None) -> RateLimiter:
+        """A zone's limiter from its ``rate_limit`` (None: no limit), with ``ZONE_BURST``."""
+        if limit is None:
+            return cls(0, 1000)
+        count, per_ms = limit
+        return cls(count, per_ms, ZONE_BURST)
 
     @property
     def unlimited(self) -> bool:
@@ -63,28 +85,43 @@ class RateLimiter:
 
 
 class DomainSlots:
-    """Connections in flight per destination domain, against a limit per domain."""
+    """Connections in flight per destination domain, against a limit per domain.
 
-    def __init__(self, default_limit: int, limits: Mapping[str, int] | None = None) -> None:
+    With ``feedback`` (``feedback.py``), a domain a remote server asked to slow down has a
+    lower limit and a rate of its own for a while.
+    """
+
+    def __init__(
+        self,
+        default_limit: int,
+        limits: Mapping[str, int] | None = None,
+        feedback: DomainFeedback | None = None,
+    ) -> None:
         if default_limit < 1:
             raise ValueError("a domain connection limit must be at least 1")
         self._default = default_limit
         self._limits = dict(limits or {})
         self._busy: dict[str, int] = {}
+        self.feedback = feedback
 
     def limit(self, domain: str) -> int:
-        return self._limits.get(domain, self._default)
+        normal = self._limits.get(domain, self._default)
+        return normal if self.feedback is None else self.feedback.limit(domain, normal)
 
     def in_flight(self, domain: str) -> int:
         return self._busy.get(domain, 0)
 
     def available(self, domain: str) -> bool:
-        return self._busy.get(domain, 0) < self.limit(domain)
+        if self._busy.get(domain, 0) >= self.limit(domain):
+            return False
+        return self.feedback is None or self.feedback.may_start(domain)
 
     def acquire(self, domain: str) -> None:
         if not self.available(domain):
             raise RuntimeError(f"no free connection slot for {domain}")
         self._busy[domain] = self._busy.get(domain, 0) + 1
+        if self.feedback is not None:
+            self.feedback.started(domain)
 
     def release(self, domain: str) -> None:
         left = self._busy.get(domain, 0) - 1

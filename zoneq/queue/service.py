@@ -37,6 +37,7 @@ from zoneq.protocol.dsn import Action
 from zoneq.protocol.ids import id_time_ms
 from zoneq.protocol.retry import RetrySchedule
 from zoneq.queue.bounces import FULL_RETURN_LIMIT, HEADER_LIMIT, Failure, compose
+from zoneq.queue.feedback import DomainFeedback
 from zoneq.queue.scheduler import DomainSlots, JobQueue, Planned, RateLimiter, plan_jobs
 from zoneq.storage.records import MessageMeta, Notice
 from zoneq.storage.store import Lease, Outcome, QueueStore
@@ -172,8 +173,11 @@ class QueueService:
             zone = _Zone(
                 name=name,
                 schedule=schedule,
-                slots=DomainSlots(self._domain_connections),
-                rate=RateLimiter(0, 1000),
+                slots=DomainSlots(
+                    self._domain_connections,
+                    feedback=DomainFeedback.from_config(self._config.reply_rules, self._clock),
+                ),
+                rate=RateLimiter.zone(settings.rate_limit if settings is not None else None),
             )
             self._zones[name] = zone
         return zone
