@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 from zoneq import __version__, runtime
+from zoneq.api import command as api_command
 from zoneq.config import check_config, load_config
 from zoneq.delivery import worker
-from zoneq.errors import ConfigError, StoreLocked
+from zoneq.errors import ConfigError, ListenError, StoreLocked
 from zoneq.receiver import hash_password
 
 
@@ -23,7 +24,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         runtime.run(config, args.config)
-    except StoreLocked as exc:
+    except (StoreLocked, ListenError) as exc:
         print(f"zoneq: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config", type=Path, nargs="?", default=None)
     check.set_defaults(func=_cmd_check_config)
 
+    api_command.register(sub)  # zoneq queue ..., zoneq send
     hash_password.register(sub)  # for receiver.auth_users
     return parser
 

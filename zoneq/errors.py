@@ -49,6 +49,10 @@ class StoreLocked(ZoneqError):
     """Another process holds the data directory's LevelDB lock."""
 
 
+class ListenError(ZoneqError):
+    """A server of zoneq's (the SMTP receiver, the HTTP API) cannot listen where configured."""
+
+
 class NotFound(ZoneqError):
     """The message, recipient or zone named does not exist (any more)."""
 

@@ -7,8 +7,9 @@ workers over the IPC socket; the supervisor starts ``processes`` workers per zon
 restarts the ones that die; deferred recipients are promoted when due; and maintenance runs
 while the process lives (orphan sweeps, event retention, compaction, the disk reserve).
 The SMTP receiver accepts mail on ``receiver.listen`` and is the first thing stopped on
-SIGTERM (sessions get 421, messages mid-DATA are abandoned); the admin API attaches here
-as it is built.
+SIGTERM (sessions get 421, messages mid-DATA are abandoned); the HTTP API (``zoneq.api``)
+on ``api.listen`` is stopped right after it.  A port that cannot be bound stops serve at
+start with the address named (``ListenError``).
 
 This is the one place that reads the wall clock for the queue: every store operation
 takes ``now_ms`` from here, so the store and the protocol core stay testable.
@@ -21,12 +22,15 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 import uvloop
 
+from zoneq.api.app import start_api
 from zoneq.config import Config
-from zoneq.errors import StorageUnavailable
+from zoneq.errors import ListenError, StorageUnavailable
 from zoneq.ipc.core import QueueHandler
 from zoneq.ipc.server import IpcServer
 from zoneq.queue.service import QueueService
@@ -36,6 +40,8 @@ from zoneq.storage.store import QueueStore
 from zoneq.supervisor import Supervisor
 
 log = logging.getLogger("zoneq")
+
+T = TypeVar("T")
 
 
 def now_ms() -> int:
@@ -84,8 +90,9 @@ async def maintain(store: QueueStore, config: Config) -> None:
 
 
 def run(config: Config, config_path: Path | None = None) -> None:
-    """``serve`` on uvloop: libuv's event loop halves asyncio's own cost per socket event,
-    which is most of the receiver's cost per message (tools/bench/accept_bench.py)."""
+    """``serve`` on uvloop (asyncio's API on libuv): the receiver's cost per message is
+    mostly event-loop work per socket event, and uvloop does it in C (about 10% less CPU
+    per accepted message in tools/bench/accept_bench.py)."""
     uvloop.run(serve(config, config_path))
 
 
@@ -98,28 +105,47 @@ async def serve(config: Config, config_path: Path | None = None) -> None:
         loop.add_signal_handler(signum, stop.set)
     store = open_store(config)
     log.info("queue open at %s: %s", config.server.data_dir, describe(store))
-    service = QueueService.from_config(store, config, clock=now_ms)
-    server = IpcServer(Path(config.server.ipc_socket), QueueHandler(service, set(config.zones)))
-    await server.start()
-    receiver = SmtpReceiver(store, config, clock=now_ms)
-    await receiver.start()
-    log.info("accepting SMTP on %s", config.receiver.listen)
-    supervisor = Supervisor(
-        {name: zone.processes for name, zone in config.zones.items()}, config_path
-    )
-    await supervisor.start()
-    promoter = asyncio.create_task(service.run(stop))
-    try:
+    async with contextlib.AsyncExitStack() as running:
+        # Unwound in reverse on the way out, so the receiver (started last of the servers
+        # that take mail) is the first thing stopped: no new mail while the rest winds down.
+        running.push_async_callback(store.close)
+        service = QueueService.from_config(store, config, clock=now_ms)
+        server = IpcServer(Path(config.server.ipc_socket), QueueHandler(service, set(config.zones)))
+        await server.start()
+        running.push_async_callback(server.close)
+        supervisor = Supervisor(
+            {name: zone.processes for name, zone in config.zones.items()}, config_path
+        )
+        running.push_async_callback(supervisor.stop)
+        promoter = asyncio.create_task(service.run(stop))
+        running.push_async_callback(_cancel, promoter)
+        api = await _listening(
+            "HTTP API", config.api.listen, start_api(store, service, config, clock=now_ms)
+        )
+        if api is not None:
+            running.push_async_callback(api.close)  # stopped right after the receiver
+        receiver = SmtpReceiver(store, config, clock=now_ms)
+        await _listening("SMTP receiver", config.receiver.listen, receiver.start())
+        running.push_async_callback(receiver.close)
+        log.info("accepting SMTP on %s", config.receiver.listen)
+        await supervisor.start()
         while not stop.is_set():
             await maintain(store, config)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), config.storage.sweep_interval_ms / 1000)
-    finally:
         log.info("stopping: %s", describe(store))
-        await receiver.close()  # first: no new mail while the rest winds down
-        await supervisor.stop()
-        await server.close()
-        promoter.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await promoter
-        await store.close()
+
+
+async def _listening(what: str, address: str, starting: Awaitable[T]) -> T:
+    """``starting``'s result; a port that cannot be bound is a start-up error naming it (a
+    zoneq that runs without its receiver or its API looks alive and is not)."""
+    try:
+        return await starting
+    except OSError as exc:
+        raise ListenError(f"{what} cannot listen on {address}: {exc.strerror or exc}") from None
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

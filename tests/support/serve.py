@@ -44,12 +44,11 @@ def write_serve_config(
     connections: int = 4,
     processes: int = 1,
 ) -> Path:
-    """A config for ``zoneq serve`` with its queue and socket under ``directory``, and its
-    SMTP receiver on a free port of 127.0.0.1 (read it back with :func:`smtp_port`)."""
+    """A config for ``zoneq serve`` with its queue and socket under ``directory``, its SMTP
+    receiver and its HTTP API each on a free port of 127.0.0.1 (read them back with
+    :func:`smtp_port` and :func:`api_port`)."""
     directory.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     path = directory / "zones.toml"
     path.write_text(
         f"""
@@ -60,6 +59,9 @@ ipc_socket = "{directory / "zoneq.sock"}"
 
 [receiver]
 listen = "127.0.0.1:{port}"
+
+[api]
+listen = "127.0.0.1:{free_port()}"
 
 [delivery]
 mx_port = {mx_port}
@@ -81,9 +83,25 @@ connections = 2
     return path
 
 
+def free_port() -> int:
+    """A port of 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def smtp_port(config: Path) -> int:
     """The port the receiver of ``config`` listens on."""
-    listen: str = tomllib.loads(config.read_text())["receiver"]["listen"]
+    return _port(config, "receiver")
+
+
+def api_port(config: Path) -> int:
+    """The port the HTTP API of ``config`` listens on."""
+    return _port(config, "api")
+
+
+def _port(config: Path, section: str) -> int:
+    listen: str = tomllib.loads(config.read_text())[section]["listen"]
     return int(listen.rpartition(":")[2])
 
 

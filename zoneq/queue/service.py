@@ -103,6 +103,7 @@ class _Running:
     domain: str
     owner: str
     tokens: set[int]
+    size: int = 0  # the message's size, for the outcome events (issue 6)
 
 
 @dataclass(slots=True)
@@ -143,6 +144,7 @@ class QueueService:
         self._running: dict[int, _Running] = {}  # job id -> state
         self._job_ids = itertools.count(1)
         store.on_ready = self._wake
+        self._paused: set[str] = store.paused_zones()  # persisted by pause(); see the end
 
     @classmethod
     def from_config(
@@ -196,7 +198,7 @@ class QueueService:
         deadline = loop.time() + wait_ms / 1000
         while True:
             state.wake.clear()
-            jobs = self._take(state, owner, max_jobs)
+            jobs = [] if zone in self._paused else self._take(state, owner, max_jobs)
             remaining = deadline - loop.time()
             if jobs or remaining <= 0:
                 return jobs
@@ -260,7 +262,7 @@ class QueueService:
         planned = Planned(planned.msg_id, planned.domain, tuple(current))
         job_id = next(self._job_ids)
         tokens = {lease.token for lease in planned.items}
-        self._running[job_id] = _Running(state.name, planned.domain, owner, tokens)
+        self._running[job_id] = _Running(state.name, planned.domain, owner, tokens, meta.size)
         for lease in planned.items:
             self._leases[lease.token] = (lease, job_id)
         return Job(
@@ -326,6 +328,7 @@ class QueueService:
             if held is None or self._running[held[1]].owner != owner:
                 refused.append(item.token)
                 continue
+            size = self._running[held[1]].size
             lease = self._finish(item.token)
             if item.possible_duplicate:
                 # RFC 1047: the message went out whole but no final reply came back, so the
@@ -345,6 +348,7 @@ class QueueService:
                 mx=item.mx,
                 source_ip=item.source_ip,
                 possible_duplicate=item.possible_duplicate,
+                size=size,
             )
             if item.result is Result.DELIVERED:
                 work.append(_guarded(item.token, self._store.complete(lease, now, outcome)))
@@ -508,6 +512,37 @@ class QueueService:
 
     def in_flight(self) -> int:
         return len(self._leases)
+
+    # --- zones paused and held by an administrator -----------------------------------------
+
+    def unqueue(self, zone: str) -> int:
+        """Give back the recipients of ``zone`` leased here and not yet handed to a worker,
+        so they are ready (and holdable) in the store again; how many."""
+        state = self._zones.get(zone)
+        if state is None:
+            return 0
+        returned = 0
+        for job in state.queue.drain():
+            for lease in job.items:
+                with contextlib.suppress(LeaseError):  # revoked meanwhile (dropped)
+                    self._store.release(lease)
+                    returned += 1
+        return returned
+
+    async def pause(self, zone: str) -> None:
+        """Stop handing out ``zone``'s work (new mail for it still queues); persisted, so the
+        pause outlives a restart.  Jobs already with a worker finish."""
+        await self._store.set_paused(zone, True)
+        self._paused.add(zone)
+        self.unqueue(zone)
+
+    async def resume(self, zone: str) -> None:
+        await self._store.set_paused(zone, False)
+        self._paused.discard(zone)
+        self._wake(zone)
+
+    def paused(self) -> frozenset[str]:
+        return frozenset(self._paused)
 
 
 async def _guarded(token: int, operation: Awaitable[None]) -> int | None:

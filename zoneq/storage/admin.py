@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 
-from zoneq.errors import NotFound
+from zoneq.errors import NotFound, StorageCorruption
 from zoneq.protocol.events import Event, EventKind
 from zoneq.protocol.ids import format_id, id_time_ms
 from zoneq.storage import keys
@@ -87,6 +87,10 @@ class AdminMixin(StoreBase):
         # Works from raw keys, so a message with a corrupt record (or metadata) can still be
         # removed by an administrator; only a one-recipient drop needs a readable head.
         head = self._read_head(msg_id) if address is not None else None
+        try:
+            size = self.message(msg_id).size  # for the events (issue 6)
+        except (NotFound, StorageCorruption):
+            size = 0
         ops: list[Op] = []
         dropped = 0
         for state, key, record in list(self._raw_records(msg_id)):
@@ -102,6 +106,7 @@ class AdminMixin(StoreBase):
                 rcpt,
                 recipient_domain(rcpt),
                 id_time_ms(msg_id),
+                size=size,
                 attempt=record.attempts if record is not None else 0,
             )
             ops.append(self._event_op(event))

@@ -76,6 +76,9 @@ class Outcome:
     mx: str | None = None
     source_ip: str | None = None
     possible_duplicate: bool = False
+    # The message's size in octets, for the event (issue 6: every event carries it).  The
+    # caller knows it from the job it handed out, which saves a metadata read per outcome.
+    size: int = 0
 
 
 class StoreBase:
@@ -276,6 +279,7 @@ class StoreBase:
                 record.address,
                 record.domain,
                 id_time_ms(record.msg_id),
+                size=outcome.size,
                 attempt=record.attempts,
                 mx=outcome.mx,
                 source_ip=outcome.source_ip,
@@ -381,6 +385,10 @@ class StoreBase:
         """Whether ``lease`` is still current (not released, revoked or taken over)."""
         current = self._leases.get(lease.key)
         return current is not None and current.token == lease.token
+
+    def is_leased(self, key: bytes) -> bool:
+        """Whether the ready record at ``key`` is handed to a worker right now."""
+        return key in self._leases
 
     def leased(self, zone: str | None = None) -> int:
         if zone is None:

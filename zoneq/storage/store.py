@@ -45,6 +45,7 @@ from zoneq.protocol.ids import format_id, id_time_ms
 from zoneq.storage import keys
 from zoneq.storage.admin import AdminMixin
 from zoneq.storage.base import READY_STATE, Lease, Outcome, QueuedRecipient, ready_prefix
+from zoneq.storage.bulk import BulkMixin
 from zoneq.storage.counters import MESSAGES, domain_key, zone_key
 from zoneq.storage.leveldb import Database, Op
 from zoneq.storage.maintenance import MaintenanceMixin
@@ -61,7 +62,7 @@ from zoneq.storage.space import SpaceGuard
 from zoneq.storage.writer import GroupWriter
 
 
-class QueueStore(AdminMixin, MaintenanceMixin):
+class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin):
     """The LevelDB queue of one zoneq node.  Create with :meth:`open`, then :meth:`recover`."""
 
     @classmethod

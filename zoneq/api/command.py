@@ -1,0 +1,295 @@
+"""``zoneq queue ...`` and ``zoneq send FILE``: the API's operations from the shell.
+
+Like Postfix's ``postqueue -p`` / ``postsuper``: tables for people, ``--json`` for scripts
+(the API's own JSON, unchanged).  The API's address and token come from the config
+(``api.listen``; ``api.token``, ``api.token_file`` or the generated ``api.token`` in the data
+directory), overridden by ``ZONEQ_API`` / ``ZONEQ_API_TOKEN`` and then by ``--api`` /
+``--token``.  Exit status: 0 done, 1 the API refused or could not be reached, 2 bad usage or
+configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+from zoneq.api.client import ApiClient, ApiError
+from zoneq.api.token import find_token
+from zoneq.config import load_config
+from zoneq.config.model import split_listen
+from zoneq.errors import ConfigError
+
+ENV_API: Final = "ZONEQ_API"
+ENV_TOKEN: Final = "ZONEQ_API_TOKEN"
+V1: Final = "/api/v1"
+STATES: Final = ("ready", "leased", "deferred", "held")
+
+
+class UsageError(Exception):
+    pass
+
+
+def client_from(args: argparse.Namespace) -> ApiClient:
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        raise UsageError(f"configuration error:\n{exc}") from exc
+    listen = args.api or os.environ.get(ENV_API) or config.api.listen
+    host, port = split_listen(listen)
+    if host in ("0.0.0.0", "::"):  # the API listens everywhere: talk to it on loopback
+        host = "127.0.0.1"
+    try:
+        token = args.token or os.environ.get(ENV_TOKEN) or find_token(config)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from exc
+    if not token:
+        raise UsageError(
+            "no API token: set api.token in the config, or start zoneq serve once to "
+            f"generate one, or pass --token / {ENV_TOKEN}"
+        )
+    return ApiClient(host, port, token)
+
+
+def _table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
+    cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _when(ms: int) -> str:
+    if not ms:
+        return "-"
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+# --- what each subcommand does: (client, args) -> (JSON answer, text for people) ---------
+
+
+Result = tuple[Any, str]
+
+
+def _counts(api: ApiClient, args: argparse.Namespace) -> Result:
+    body = api.call("GET", f"{V1}/queue")
+    rows = [
+        [zone, *(c[s] for s in STATES), "paused" if c["paused"] else ""]
+        for zone, c in sorted(body["zones"].items())
+    ]
+    text = _table(rows, ["zone", *STATES, ""]) + f"\n{body['messages']} message(s) queued"
+    return body, text
+
+
+def _recipient_rows(recipients: list[dict[str, Any]]) -> str:
+    rows = [
+        [
+            r["message_id"],
+            r["address"],
+            r["state"],
+            r["attempts"],
+            _when(r["next_attempt_ms"]),
+            r["last_reply"] or r["hold_reason"],
+        ]
+        for r in recipients
+    ]
+    return _table(rows, ["message", "recipient", "state", "tries", "next attempt", "last reply"])
+
+
+def _browse(api: ApiClient, args: argparse.Namespace) -> Result:
+    query = [("state", args.state), ("limit", str(args.limit))]
+    if args.cursor:
+        query.append(("cursor", args.cursor))
+    body = api.call("GET", f"{V1}/zones/{args.zone}/recipients", query=query)
+    text = _recipient_rows(body["recipients"])
+    if body["cursor"]:
+        text += f"\nmore: --cursor {body['cursor']}"
+    return body, text
+
+
+def _show(api: ApiClient, args: argparse.Namespace) -> Result:
+    body = api.call("GET", f"{V1}/messages/{args.id}")
+    lines = [
+        f"message   {body['id']}",
+        f"sender    <{body['sender']}>",
+        f"received  {_when(body['received_ms'])}",
+        f"size      {body['size']}",
+        f"zones     {', '.join(body['zones'])}",
+        *(f"{name:<9} {value}" for name, value in body["headers"].items()),
+        "",
+        _recipient_rows(body["recipients"]),
+    ]
+    return body, "\n".join(lines)
+
+
+def _source(api: ApiClient, args: argparse.Namespace) -> Result:
+    if args.output:
+        with Path(args.output).open("wb") as out:
+            api.download(f"{V1}/messages/{args.id}/source", out)
+    else:
+        api.download(f"{V1}/messages/{args.id}/source", sys.stdout.buffer)
+        sys.stdout.buffer.flush()
+    return None, ""
+
+
+def _counted(verb: str) -> Callable[[Any], str]:
+    return lambda body: f"{verb} {body['count']} recipient(s)"
+
+
+def _delete(api: ApiClient, args: argparse.Namespace) -> Result:
+    query = [("recipient", args.recipient)] if args.recipient else None
+    body = api.call("DELETE", f"{V1}/messages/{args.id}", query=query)
+    return body, _counted("deleted")(body)
+
+
+def _purge(api: ApiClient, args: argparse.Namespace) -> Result:
+    selection = {
+        "zone": args.zone,
+        "state": args.state,
+        "sender_domain": args.sender_domain,
+        "recipient_domain": args.recipient_domain,
+        "older_than": args.older_than,
+        "all": args.all,
+    }
+    body = api.call(
+        "POST",
+        f"{V1}/queue/purge",
+        json_body={k: v for k, v in selection.items() if v not in (None, False)},
+    )
+    return body, _counted("purged")(body)
+
+
+def _target(args: argparse.Namespace, verb: str) -> str:
+    if bool(args.id) == bool(args.zone):
+        raise UsageError(f"{verb}: give a message id or --zone, one of them")
+    return f"{V1}/messages/{args.id}/{verb}" if args.id else f"{V1}/zones/{args.zone}/{verb}"
+
+
+def _retry(api: ApiClient, args: argparse.Namespace) -> Result:
+    if args.domain and not args.zone and not args.id:
+        body = api.call("POST", f"{V1}/domains/{args.domain}/retry")
+    else:
+        query = [("domain", args.domain)] if args.domain and args.zone else None
+        body = api.call("POST", _target(args, "retry"), query=query)
+    return body, _counted("retrying")(body)
+
+
+def _hold(api: ApiClient, args: argparse.Namespace) -> Result:
+    body = api.call("POST", _target(args, "hold"), json_body={"reason": args.reason})
+    return body, _counted("held")(body)
+
+
+def _release(api: ApiClient, args: argparse.Namespace) -> Result:
+    body = api.call("POST", _target(args, "release"))
+    return body, _counted("released")(body)
+
+
+def _pause(api: ApiClient, args: argparse.Namespace) -> Result:
+    body = api.call("POST", f"{V1}/zones/{args.zone}/pause")
+    return body, f"zone {args.zone} paused"
+
+
+def _resume(api: ApiClient, args: argparse.Namespace) -> Result:
+    body = api.call("POST", f"{V1}/zones/{args.zone}/resume")
+    return body, f"zone {args.zone} resumed"
+
+
+def _send(api: ApiClient, args: argparse.Namespace) -> Result:
+    path = Path(args.file)
+    if not path.is_file():
+        raise UsageError(f"no such file: {path}")
+    query = [("to", rcpt) for rcpt in args.to]
+    if args.sender is not None:
+        query.insert(0, ("from", args.sender))
+    body = api.upload(f"{V1}/messages/raw", path, query)
+    return body, f"queued as {body['id']} for {len(body['recipients'])} recipient(s)"
+
+
+def _run(action: Callable[[ApiClient, argparse.Namespace], Result]) -> Callable[..., int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            body, text = action(client_from(args), args)
+        except UsageError as exc:
+            print(f"zoneq: {exc}", file=sys.stderr)
+            return 2
+        except ApiError as exc:
+            print(f"zoneq: {exc.message} ({exc.status})", file=sys.stderr)
+            return 1
+        if args.json and body is not None:
+            print(json.dumps(body, indent=2))
+        elif text:
+            print(text)
+        return 0
+
+    return run
+
+
+# --- the parsers -------------------------------------------------------------------------
+
+
+def _connection() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", type=Path, default=None, help="a zones.toml file")
+    common.add_argument("--api", default=None, help=f"host:port of the API (or {ENV_API})")
+    common.add_argument("--token", default=None, help=f"API token (or {ENV_TOKEN})")
+    common.add_argument("--json", action="store_true", help="the API's JSON, for scripts")
+    return common
+
+
+def register(sub: Any) -> None:
+    """Add ``queue`` and ``send`` to the ``zoneq`` command's subparsers."""
+    common = _connection()
+    queue = sub.add_parser("queue", help="look at and manage the queue (through the API)")
+    actions = queue.add_subparsers(dest="action", required=True)
+
+    def add(name: str, text: str, action: Callable[[ApiClient, argparse.Namespace], Result]) -> Any:
+        parser = actions.add_parser(name, help=text, parents=[common])
+        parser.set_defaults(func=_run(action))
+        return parser
+
+    add("counts", "recipients per zone and state", _counts)
+    browse = add("browse", "a zone's recipients, oldest first, a page at a time", _browse)
+    browse.add_argument("zone")
+    browse.add_argument("--state", default="ready", choices=STATES)
+    browse.add_argument("--limit", type=int, default=100)
+    browse.add_argument("--cursor", default=None, help="from the previous page")
+    add("show", "a message and its recipients", _show).add_argument("id")
+    source = add("source", "a message's text as stored", _source)
+    source.add_argument("id")
+    source.add_argument("-o", "--output", default=None, help="write to this file")
+    delete = add("delete", "delete a message (or one recipient), no DSN", _delete)
+    delete.add_argument("id")
+    delete.add_argument("--recipient", default=None)
+    purge = add("purge", "delete every recipient matching the filters, no DSN", _purge)
+    purge.add_argument("--zone")
+    purge.add_argument("--state", choices=("ready", "deferred", "held"))
+    purge.add_argument("--sender-domain")
+    purge.add_argument("--recipient-domain")
+    purge.add_argument("--older-than", help='e.g. "2h", "3d"')
+    purge.add_argument("--all", action="store_true", help="required without any filter")
+    for name, text, action in (
+        ("retry", "deferred recipients are ready now (message, zone or --domain)", _retry),
+        ("hold", "hold a message or a zone", _hold),
+        ("release", "release a held message or zone", _release),
+    ):
+        parser = add(name, text, action)
+        parser.add_argument("id", nargs="?", default=None, help="a message id")
+        parser.add_argument("--zone", default=None)
+        if name == "retry":
+            parser.add_argument("--domain", default=None, help="a destination domain")
+        if name == "hold":
+            parser.add_argument("--reason", default="held by administrator")
+    add("pause", "stop a zone's deliveries (mail still queues)", _pause).add_argument("zone")
+    add("resume", "resume a zone's deliveries", _resume).add_argument("zone")
+
+    send = sub.add_parser("send", help="queue a message file (RFC 5322)", parents=[common])
+    send.add_argument("file")
+    send.add_argument("--from", dest="sender", default=None, help='envelope sender ("" for <>)')
+    send.add_argument(
+        "--to", action="append", default=[], help="envelope recipient (repeat); none: headers"
+    )
+    send.set_defaults(func=_run(_send))

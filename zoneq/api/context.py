@@ -1,0 +1,32 @@
+"""What the API's views share: the core's parts, under one typed application key."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from zoneq.config import Config
+from zoneq.queue.admin import QueueAdmin
+from zoneq.queue.intake import Intake
+from zoneq.storage.store import QueueStore
+
+
+@dataclass(frozen=True, slots=True)
+class ApiContext:
+    store: QueueStore
+    admin: QueueAdmin
+    intake: Intake
+    config: Config
+    clock: Callable[[], int]  # ms since the epoch
+    token: str
+    registry: CollectorRegistry
+
+
+CONTEXT = web.AppKey("context", ApiContext)
+
+
+def context(request: web.Request) -> ApiContext:
+    return request.app[CONTEXT]

@@ -1,0 +1,194 @@
+"""``/metrics`` in the Prometheus text format, and ``/health``.
+
+``prometheus_client`` writes the exposition format (names, label escaping, histogram
+buckets with ``+Inf``, ``_sum`` and ``_count``) exactly as Prometheus parses it.  Nothing is
+counted on the hot paths for it: a custom collector reads, at scrape time,
+
+* queue sizes from the store's O(1) counters (per zone and state, messages, paused zones);
+* totals (accepted, delivered, deferred, bounced, expired, dropped) and the delivery
+  latency histogram from the event log, which every transition writes in its own batch: an
+  ``EventTally`` remembers where it stopped and reads only the events written since (at
+  most ``MAX_EVENTS_PER_SCRAPE`` per scrape; a backlog is caught up over the next ones).
+
+Totals count from the start of this process, as Prometheus counters do (``rate()`` handles
+the reset at a restart).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Final
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from zoneq.api.context import context
+from zoneq.protocol.events import EventKind
+from zoneq.queue.admin import QueueAdmin
+from zoneq.storage import keys
+from zoneq.storage.records import State
+from zoneq.storage.store import QueueStore
+
+MAX_EVENTS_PER_SCRAPE: Final = 50_000
+# Seconds from queued to delivered: a first attempt is seconds; retries are minutes to days.
+LATENCY_BUCKETS: Final = (
+    0.5,
+    1.0,
+    5.0,
+    15.0,
+    60.0,
+    300.0,
+    900.0,
+    3600.0,
+    14400.0,
+    86400.0,
+    259200.0,
+)
+_TOTALS: Final = {
+    EventKind.DELIVERED: ("zoneq_delivered", "Recipients delivered (2xx after the final dot)"),
+    EventKind.DEFERRED: ("zoneq_deferred", "Delivery attempts that failed temporarily"),
+    EventKind.BOUNCED: ("zoneq_bounced", "Recipients bounced after a permanent failure"),
+    EventKind.EXPIRED: ("zoneq_expired", "Recipients bounced when their retries ran out"),
+    EventKind.DROPPED: ("zoneq_dropped", "Recipients removed by an administrator, no DSN"),
+}
+
+
+class _Latency:
+    __slots__ = ("buckets", "count", "total")
+
+    def __init__(self) -> None:
+        self.buckets = [0] * len(LATENCY_BUCKETS)
+        self.count = 0
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        for index, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                self.buckets[index] += 1
+        self.count += 1
+        self.total += seconds
+
+
+class EventTally:
+    """Totals per (kind, zone) and latencies per zone, from the events written since start."""
+
+    def __init__(self, store: QueueStore) -> None:
+        self._store = store
+        self._after: bytes | None = next(store.database.keys(prefix=keys.EVENT, reverse=True), None)
+        self.totals: dict[tuple[EventKind, str], int] = {}
+        self.accepted_recipients: dict[str, int] = {}
+        self.latency: dict[str, _Latency] = {}
+
+    def catch_up(self, limit: int = MAX_EVENTS_PER_SCRAPE) -> int:
+        """Read the events written since the last call (up to ``limit``); how many."""
+        seen = 0
+        for key, event in itertools.islice(self._store.events(after=self._after), limit):
+            self._after = key
+            seen += 1
+            counted = (event.kind, event.zone)
+            self.totals[counted] = self.totals.get(counted, 0) + 1
+            if event.kind is EventKind.ACCEPTED:
+                zone_total = self.accepted_recipients.get(event.zone, 0)
+                self.accepted_recipients[event.zone] = zone_total + event.recipients
+            elif event.kind is EventKind.DELIVERED:
+                latency = self.latency.setdefault(event.zone, _Latency())
+                latency.observe(max(0, event.time_ms - event.queued_at_ms) / 1000)
+        return seen
+
+
+class QueueCollector(Collector):
+    """Everything ``/metrics`` shows, computed at scrape time."""
+
+    def __init__(self, store: QueueStore, admin: QueueAdmin) -> None:
+        self._store = store
+        self._admin = admin
+        self.tally = EventTally(store)
+
+    def collect(self) -> Iterator[Metric]:
+        sizes = GaugeMetricFamily(
+            "zoneq_queue_recipients",
+            "Queued recipients per zone and state",
+            labels=["zone", "state"],
+        )
+        paused = GaugeMetricFamily("zoneq_zone_paused", "1 if the zone is paused", labels=["zone"])
+        for zone, counts in self._admin.counts().items():
+            for state in State:
+                sizes.add_metric([zone, state.value], int(counts[state.value]))
+            paused.add_metric([zone], 1 if counts["paused"] else 0)
+        yield sizes
+        yield paused
+        yield GaugeMetricFamily(
+            "zoneq_queue_messages",
+            "Messages with recipients queued",
+            value=self._store.message_count(),
+        )
+        yield GaugeMetricFamily(
+            "zoneq_storage_up",
+            "1 while the queue database accepts writes",
+            value=0 if self._store.failure is not None else 1,
+        )
+        yield from self._totals()
+
+    def _totals(self) -> Iterator[Metric]:
+        tally = self.tally
+        tally.catch_up()
+        accepted = CounterMetricFamily(
+            "zoneq_accepted_messages", "Messages queued, per zone they went to", labels=["zone"]
+        )
+        accepted_rcpts = CounterMetricFamily(
+            "zoneq_accepted_recipients", "Recipients queued", labels=["zone"]
+        )
+        for (kind, zone), value in sorted(tally.totals.items()):
+            if kind is EventKind.ACCEPTED:
+                accepted.add_metric([zone], value)
+        for zone, value in sorted(tally.accepted_recipients.items()):
+            accepted_rcpts.add_metric([zone], value)
+        yield accepted
+        yield accepted_rcpts
+        for kind, (name, text) in _TOTALS.items():
+            family = CounterMetricFamily(name, text, labels=["zone"])
+            for (seen, zone), value in sorted(tally.totals.items()):
+                if seen is kind:
+                    family.add_metric([zone], value)
+            yield family
+        latency = HistogramMetricFamily(
+            "zoneq_delivery_latency_seconds",
+            "From queued to delivered, per recipient",
+            labels=["zone"],
+        )
+        for zone, observed in sorted(tally.latency.items()):
+            buckets = [
+                (repr(bound), n) for bound, n in zip(LATENCY_BUCKETS, observed.buckets, strict=True)
+            ]
+            buckets.append(("+Inf", observed.count))
+            latency.add_metric([zone], buckets, observed.total)
+        yield latency
+
+
+def new_registry(store: QueueStore, admin: QueueAdmin) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(QueueCollector(store, admin))
+    return registry
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(context(request).registry)
+    response = web.Response(body=body)
+    response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return response
+
+
+async def health(request: web.Request) -> web.Response:
+    """Unauthenticated: 200 while the queue accepts writes, 503 while it does not."""
+    failure = context(request).store.failure
+    if failure is not None:
+        return web.json_response({"status": "unavailable", "reason": str(failure)}, status=503)
+    return web.json_response({"status": "ok"})

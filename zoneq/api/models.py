@@ -1,0 +1,127 @@
+"""Request and response bodies of the API, as pydantic models.
+
+They validate what comes in (unknown fields refused, so a misspelt ``bcc`` is an error, not
+a silently public recipient) and give the OpenAPI document its schemas.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from zoneq.storage.records import State
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class Attachment(_Body):
+    filename: str = Field(min_length=1, max_length=255)
+    content_type: str = "application/octet-stream"
+    content: str = Field(description="the attachment's bytes, base64 (RFC 4648 section 4)")
+
+
+class Submission(_Body):
+    """A message built by zoneq from fields (RFC 5322 with MIME), queued for to+cc+bcc."""
+
+    from_: str = Field(alias="from", description='"Name <addr@example.org>" or an address')
+    to: list[str] = Field(default_factory=list)
+    cc: list[str] = Field(default_factory=list)
+    bcc: list[str] = Field(default_factory=list, description="envelope only, never a header")
+    reply_to: list[str] = Field(default_factory=list)
+    subject: str = ""
+    text: str | None = None
+    html: str | None = None
+    headers: dict[str, str] = Field(default_factory=dict, description="extra header fields")
+    attachments: list[Attachment] = Field(default_factory=list)
+    envelope_from: str | None = Field(
+        default=None, description='MAIL FROM if not the From address ("" for <>)'
+    )
+
+
+class Queued(_Body):
+    id: str
+    size: int
+    recipients: list[str]
+    zones: list[str]
+
+
+class Selection(_Body):
+    """Which recipients a purge removes: every field given must match."""
+
+    zone: str | None = None
+    state: Literal[State.READY, State.DEFERRED, State.HELD] | None = None
+    sender_domain: str | None = None
+    recipient_domain: str | None = None
+    older_than: str | None = Field(
+        default=None, description='queued longer ago than this: "90" (s), "15m", "2h", "3d"'
+    )
+    all: bool = Field(default=False, description="required to purge with no filter at all")
+
+
+class HoldRequest(_Body):
+    reason: str = Field(default="held by administrator", max_length=200)
+
+
+class Count(_Body):
+    count: int
+
+
+class ZoneCounts(_Body):
+    ready: int
+    leased: int
+    deferred: int
+    held: int
+    paused: bool
+
+
+class QueueCounts(_Body):
+    messages: int
+    zones: dict[str, ZoneCounts]
+
+
+class RecipientView(_Body):
+    message_id: str
+    zone: str
+    address: str
+    domain: str
+    state: str
+    attempts: int
+    first_attempt_ms: int
+    last_attempt_ms: int
+    next_attempt_ms: int
+    last_reply: str
+    hold_reason: str
+    notify: list[str]
+    orcpt: str | None
+
+
+class RecipientPage(_Body):
+    recipients: list[RecipientView]
+    cursor: str | None = Field(description="pass as ?cursor= for the next page; null: the end")
+
+
+class MessageView(_Body):
+    id: str
+    sender: str
+    size: int
+    received_ms: int
+    zones: list[str]
+    recipient_count: int
+    headers: dict[str, str]
+    source: dict[str, str]
+    envid: str | None
+    ret: str | None
+    is_bounce: bool
+    recipients: list[RecipientView]
+
+
+class ErrorBody(_Body):
+    status: int
+    message: str
+
+
+class Error(_Body):
+    error: ErrorBody

@@ -1,0 +1,307 @@
+"""The OpenAPI 3.1 description of the API, served at ``/openapi.json``.
+
+Written out per operation rather than generated from the route table, so that it says what
+each operation is for; ``tests/api/test_openapi.py`` checks that its paths and methods are
+exactly the routes the application registers, so the two cannot drift apart.  Request and
+response schemas come from the pydantic models (``models.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from zoneq import __version__
+from zoneq.api import models
+
+JSON: Final = "application/json"
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _param(name: str, where: str, text: str, *, required: bool = False) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    if where == "query" and name in ("to",):
+        schema = {"type": "array", "items": {"type": "string"}}
+    return {
+        "name": name,
+        "in": where,
+        "required": required or where == "path",
+        "description": text,
+        "schema": schema,
+        **({"style": "form", "explode": True} if schema["type"] == "array" else {}),
+    }
+
+
+MSG_ID: Final = _param("id", "path", "message id, 16 hex digits")
+ZONE: Final = _param("zone", "path", "zone name")
+STATE: Final = _param("state", "query", "ready (default), leased, deferred or held")
+
+
+def _op(
+    summary: str,
+    ok: dict[str, Any],
+    *,
+    params: tuple[dict[str, Any], ...] = (),
+    body: dict[str, Any] | None = None,
+    errors: tuple[int, ...] = (),
+    status: str = "200",
+) -> dict[str, Any]:
+    responses: dict[str, Any] = {status: ok}
+    for code in (401, *errors):
+        responses[str(code)] = {
+            "description": _ERRORS[code],
+            "content": {JSON: {"schema": _ref(models.Error)}},
+        }
+    operation: dict[str, Any] = {"summary": summary, "responses": responses}
+    if params:
+        operation["parameters"] = list(params)
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": body}
+    return operation
+
+
+_ERRORS: Final = {
+    400: "bad input, named in the message",
+    401: "missing or wrong bearer token",
+    404: "no such message or zone",
+    409: "nothing in the message is in a state the operation applies to",
+    413: "over receiver.max_message_size",
+    503: "queue storage unavailable (local, temporary): nothing stored, try again",
+}
+
+
+def _json(model: type[BaseModel], text: str) -> dict[str, Any]:
+    return {"description": text, "content": {JSON: {"schema": _ref(model)}}}
+
+
+COUNT: Final = _json(models.Count, "how many recipients it changed")
+
+
+def _message_op(summary: str, *, hold: bool = False) -> dict[str, Any]:
+    """retry, hold, release of one message: a count, or 409 when nothing applied."""
+    body = {JSON: {"schema": _ref(models.HoldRequest)}} if hold else None
+    return _op(summary, COUNT, params=(MSG_ID,), body=body, errors=(400, 404, 409, 503))
+
+
+ZONE_STATE: Final = {
+    "description": "the zone's pause state",
+    "content": {
+        JSON: {
+            "schema": {
+                "type": "object",
+                "properties": {"zone": {"type": "string"}, "paused": {"type": "boolean"}},
+            }
+        }
+    },
+}
+HOLD_BODY: Final = {JSON: {"schema": _ref(models.HoldRequest)}}
+NDJSON: Final = {
+    "description": "one JSON object per line, from one consistent snapshot",
+    "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+}
+
+PATHS: Final[dict[str, dict[str, Any]]] = {
+    "/health": {
+        "get": {
+            "summary": "Liveness: 200 while the queue accepts writes, 503 while not (no auth)",
+            "security": [],
+            "responses": {"200": {"description": "ok"}, "503": {"description": "unavailable"}},
+        }
+    },
+    "/metrics": {
+        "get": _op(
+            "Prometheus text format: queue sizes, totals, delivery latency",
+            {"description": "metrics", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        )
+    },
+    "/openapi.json": {
+        "get": _op("This document", {"description": "OpenAPI 3.1", "content": {JSON: {}}})
+    },
+    "/api/v1/messages": {
+        "post": _op(
+            "Submit a message built from fields; 201 once it is durable",
+            _json(models.Queued, "queued"),
+            body={JSON: {"schema": _ref(models.Submission)}},
+            errors=(400, 413, 503),
+            status="201",
+        )
+    },
+    "/api/v1/messages/raw": {
+        "post": _op(
+            "Upload an RFC 5322 message, streamed; envelope from the query or the headers",
+            _json(models.Queued, "queued"),
+            params=(
+                _param("from", "query", 'envelope sender ("" for <>)'),
+                _param("to", "query", "envelope recipient, repeatable; none: from the headers"),
+            ),
+            body={"message/rfc822": {"schema": {"type": "string", "format": "binary"}}},
+            errors=(400, 413, 503),
+            status="201",
+        )
+    },
+    "/api/v1/messages/{id}": {
+        "get": _op(
+            "A message's metadata and its recipients with their states, attempts, replies",
+            _json(models.MessageView, "the message"),
+            params=(MSG_ID,),
+            errors=(400, 404),
+        ),
+        "delete": _op(
+            "Delete a message, or one recipient of it with ?recipient=, without a DSN",
+            COUNT,
+            params=(MSG_ID, _param("recipient", "query", "only this recipient")),
+            errors=(400, 404, 503),
+        ),
+    },
+    "/api/v1/messages/{id}/source": {
+        "get": _op(
+            "The message as stored, streamed",
+            {"description": "the text", "content": {"message/rfc822": {}}},
+            params=(MSG_ID,),
+            errors=(400, 404),
+        )
+    },
+    "/api/v1/messages/{id}/retry": {
+        "post": _message_op("Deferred recipients of the message are ready now", hold=False)
+    },
+    "/api/v1/messages/{id}/hold": {
+        "post": _message_op("Hold the message's ready and deferred recipients", hold=True)
+    },
+    "/api/v1/messages/{id}/release": {
+        "post": _message_op("Release the message's held recipients: ready now", hold=False)
+    },
+    "/api/v1/queue": {
+        "get": _op("Counts per zone and state (O(1))", _json(models.QueueCounts, "counts"))
+    },
+    "/api/v1/queue/purge": {
+        "post": _op(
+            "Delete every recipient matching a filter, without DSNs; how many",
+            COUNT,
+            body={JSON: {"schema": _ref(models.Selection)}},
+            errors=(400, 404, 503),
+        )
+    },
+    "/api/v1/zones/{zone}/recipients": {
+        "get": _op(
+            "A page of the zone's recipients in one state, oldest first",
+            _json(models.RecipientPage, "one page"),
+            params=(
+                ZONE,
+                STATE,
+                _param("limit", "query", "1 to 1000, default 100"),
+                _param("cursor", "query", "the cursor of the previous page"),
+            ),
+            errors=(400, 404),
+        )
+    },
+    "/api/v1/zones/{zone}/domains": {
+        "get": _op(
+            "Recipients of the zone per destination domain in one state (O(1) each)",
+            {
+                "description": "domain -> count",
+                "content": {
+                    JSON: {
+                        "schema": {"type": "object", "additionalProperties": {"type": "integer"}}
+                    }
+                },
+            },
+            params=(ZONE, STATE),
+            errors=(400, 404),
+        )
+    },
+    "/api/v1/zones/{zone}/retry": {
+        "post": _op(
+            "Deferred recipients of the zone (or of ?domain= in it) are ready now",
+            COUNT,
+            params=(ZONE, _param("domain", "query", "only this destination domain")),
+            errors=(404, 503),
+        )
+    },
+    "/api/v1/zones/{zone}/hold": {
+        "post": _op(
+            "Hold every ready and deferred recipient of the zone",
+            COUNT,
+            params=(ZONE,),
+            body=HOLD_BODY,
+            errors=(400, 404, 503),
+        )
+    },
+    "/api/v1/zones/{zone}/release": {
+        "post": _op("Release the zone's held recipients", COUNT, params=(ZONE,), errors=(404, 503))
+    },
+    "/api/v1/zones/{zone}/pause": {
+        "post": _op(
+            "Stop the zone's deliveries (mail still queues); survives a restart",
+            ZONE_STATE,
+            params=(ZONE,),
+            errors=(404, 503),
+        )
+    },
+    "/api/v1/zones/{zone}/resume": {
+        "post": _op("Resume the zone's deliveries", ZONE_STATE, params=(ZONE,), errors=(404, 503))
+    },
+    "/api/v1/domains/{domain}/retry": {
+        "post": _op(
+            "Deferred recipients for a destination domain, in every zone, are ready now",
+            COUNT,
+            params=(_param("domain", "path", "destination domain"),),
+            errors=(503,),
+        )
+    },
+    "/api/v1/export/events": {
+        "get": _op(
+            "Delivery events after an event id, as NDJSON",
+            NDJSON,
+            params=(_param("after", "query", "16-hex event id: only events after it"),),
+            errors=(400,),
+        )
+    },
+    "/api/v1/export/queue": {"get": _op("Every queued recipient, as NDJSON", NDJSON)},
+}
+
+SCHEMAS: Final = (
+    models.Submission,
+    models.Attachment,
+    models.Queued,
+    models.Selection,
+    models.HoldRequest,
+    models.Count,
+    models.QueueCounts,
+    models.ZoneCounts,
+    models.RecipientView,
+    models.RecipientPage,
+    models.MessageView,
+    models.Error,
+    models.ErrorBody,
+)
+
+
+def build_document() -> dict[str, Any]:
+    schemas: dict[str, Any] = {}
+    for model in SCHEMAS:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "zoneq admin and submission API",
+            "version": __version__,
+            "description": "Bearer-token auth (RFC 6750) on everything but /health.",
+        },
+        "security": [{"bearer": []}],
+        "paths": PATHS,
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+async def document(request: web.Request) -> web.Response:
+    return web.json_response(build_document())

@@ -1,0 +1,111 @@
+"""Changing the queue: delete, purge, retry, hold, release, pause, resume.
+
+Zone-wide operations answer with how many recipients they changed (0 is an answer); one
+message's hold, release or retry that changes nothing is 409, since the caller named a
+message in a state the operation does not apply to (nothing held, nothing deferred).
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from zoneq.api.browse import message_id
+from zoneq.api.context import context
+from zoneq.api.errors import Conflict
+from zoneq.api.models import Count, HoldRequest, Selection
+from zoneq.protocol.ids import format_id
+from zoneq.protocol.retry import parse_duration
+from zoneq.queue import admin
+from zoneq.storage.records import State
+
+
+def _count(count: int) -> web.Response:
+    return web.json_response(Count(count=count).model_dump())
+
+
+def _changed(count: int, msg_id: int, what: str) -> web.Response:
+    if count == 0:
+        raise Conflict(f"message {format_id(msg_id)} has no {what} recipients")
+    return _count(count)
+
+
+async def _optional(request: web.Request) -> bytes:
+    return await request.read() if request.can_read_body else b""
+
+
+async def delete_message(request: web.Request) -> web.Response:
+    """The whole message, or ``?recipient=addr`` only; no DSN (postsuper -d)."""
+    ctx = context(request)
+    return _count(await ctx.admin.delete(message_id(request), request.query.get("recipient")))
+
+
+async def purge(request: web.Request) -> web.Response:
+    ctx = context(request)
+    body = Selection.model_validate_json(await request.read())
+    older = None
+    if body.older_than is not None:
+        older = ctx.clock() - parse_duration(body.older_than)
+    selection = admin.Selection(
+        zone=body.zone,
+        state=None if body.state is None else State(body.state),
+        sender_domain=body.sender_domain.lower().rstrip(".") if body.sender_domain else None,
+        recipient_domain=(
+            body.recipient_domain.lower().rstrip(".") if body.recipient_domain else None
+        ),
+        older_than_ms=older,
+    )
+    if selection.is_everything() and not body.all:
+        raise ValueError('no filter given: send "all": true to purge the whole queue')
+    return _count(await ctx.admin.purge(selection))
+
+
+async def retry_message(request: web.Request) -> web.Response:
+    msg_id = message_id(request)
+    return _changed(await context(request).admin.retry_message(msg_id), msg_id, "deferred")
+
+
+async def hold_message(request: web.Request) -> web.Response:
+    msg_id = message_id(request)
+    raw = await _optional(request)
+    hold = HoldRequest.model_validate_json(raw) if raw else HoldRequest()
+    count = await context(request).admin.hold_message(msg_id, hold.reason)
+    return _changed(count, msg_id, "ready or deferred")
+
+
+async def release_message(request: web.Request) -> web.Response:
+    msg_id = message_id(request)
+    return _changed(await context(request).admin.release_message(msg_id), msg_id, "held")
+
+
+async def retry_zone(request: web.Request) -> web.Response:
+    """Deferred recipients of the zone (``?domain=`` to narrow) are ready now."""
+    ctx = context(request)
+    domain = request.query.get("domain")
+    return _count(await ctx.admin.retry(request.match_info["zone"], domain))
+
+
+async def retry_domain(request: web.Request) -> web.Response:
+    """Deferred recipients for one destination domain, in every zone, are ready now."""
+    return _count(await context(request).admin.retry(None, request.match_info["domain"]))
+
+
+async def hold_zone(request: web.Request) -> web.Response:
+    raw = await _optional(request)
+    hold = HoldRequest.model_validate_json(raw) if raw else HoldRequest()
+    return _count(await context(request).admin.hold_zone(request.match_info["zone"], hold.reason))
+
+
+async def release_zone(request: web.Request) -> web.Response:
+    return _count(await context(request).admin.release_zone(request.match_info["zone"]))
+
+
+async def pause_zone(request: web.Request) -> web.Response:
+    zone = request.match_info["zone"]
+    await context(request).admin.pause(zone)
+    return web.json_response({"zone": zone, "paused": True})
+
+
+async def resume_zone(request: web.Request) -> web.Response:
+    zone = request.match_info["zone"]
+    await context(request).admin.resume(zone)
+    return web.json_response({"zone": zone, "paused": False})

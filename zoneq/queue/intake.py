@@ -1,0 +1,260 @@
+"""Committing a message that arrives as a stream of bytes (the HTTP API's submissions).
+
+The SMTP receiver has its own loop around the SMTP state machine; this is the same life for
+a message that comes whole from a trusted client: ``store.begin``, the body re-cut into
+``storage.chunk_size`` chunks and written as it arrives (never the whole message in memory),
+then one ``store.commit`` with the last partial chunk as its tail.  Only when the commit has
+returned (the batch is synced) is the message queued; anything else abandons it, removing
+every chunk written, so a failed submission leaves nothing behind.
+
+The envelope is given by the caller, or taken from the header section (the first chunk):
+the first ``Sender``/``From`` address and every ``To``, ``Cc`` and ``Bcc`` address, like
+``sendmail -t``.  A ``Bcc`` field is then removed from the stored text, since showing it to
+the other recipients would disclose them (RFC 5322 section 3.6.3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import AsyncIterable, Callable, Iterable
+from dataclasses import dataclass, field
+from email import policy
+from email.message import Message
+from email.parser import BytesHeaderParser
+from email.utils import getaddresses
+from typing import Final
+
+from zoneq.config import Config
+from zoneq.errors import ZoneqError
+from zoneq.queue.routing import route
+from zoneq.storage.records import MessageMeta, NewRecipient
+from zoneq.storage.store import QueueStore
+
+__all__ = ["Envelope", "Intake", "Receipt", "TooLarge", "Unacceptable", "check_address"]
+
+# RFC 5321 section 4.5.3.1: local part 64 octets, domain 255, a path 256 with its brackets.
+_MAX_LOCAL: Final = 64
+_MAX_DOMAIN: Final = 255
+_MAX_ADDRESS: Final = 254
+_BROWSED: Final = ("Message-ID", "Subject", "From")
+_MAX_BROWSED_VALUE: Final = 998  # RFC 5322 section 2.1.1: what one line may hold
+_BCC_FIELD: Final = re.compile(rb"^bcc[ \t]*:", re.IGNORECASE)
+
+
+class Unacceptable(ZoneqError):
+    """The submission itself is wrong (an address, an empty envelope): the client's fault."""
+
+
+class TooLarge(ZoneqError):
+    """The message is over ``receiver.max_message_size``."""
+
+
+def check_address(address: str, *, what: str = "address") -> str:
+    """An envelope address as RFC 5321 allows it (``local@domain``), or ``Unacceptable``.
+
+    Whitespace, control characters and angle brackets are refused outright: in an envelope
+    they could only be an attempt to smuggle a second command or header."""
+    if not address or len(address) > _MAX_ADDRESS:
+        raise Unacceptable(f"{what} {address!r}: empty or longer than {_MAX_ADDRESS} octets")
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 or c in "<>,;" for c in address):
+        raise Unacceptable(f"{what} {address!r}: whitespace, control or <>,; characters")
+    local, at, domain = address.rpartition("@")
+    if not at or not local or not domain:
+        raise Unacceptable(f"{what} {address!r}: expected local-part@domain")
+    if len(local.encode()) > _MAX_LOCAL or len(domain.encode()) > _MAX_DOMAIN:
+        raise Unacceptable(f"{what} {address!r}: local part or domain too long (RFC 5321)")
+    return address
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """MAIL FROM ("" for the null reverse-path) and RCPT TO addresses."""
+
+    sender: str
+    recipients: tuple[str, ...]
+
+    def checked(self) -> Envelope:
+        if self.sender:
+            check_address(self.sender, what="sender")
+        if not self.recipients:
+            raise Unacceptable("no recipients")
+        for rcpt in self.recipients:
+            check_address(rcpt, what="recipient")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """What was queued."""
+
+    msg_id: int
+    size: int
+    recipients: tuple[str, ...]
+    zones: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class _Header:
+    """The header section of the first chunk, as parsed and as it will be stored."""
+
+    fields: Message
+    text: bytes  # the first chunk, possibly without its Bcc field
+    browse: dict[str, str] = field(default_factory=dict)
+
+
+def _header_end(data: bytes) -> int:
+    """Where the header section of ``data`` ends (after the empty line), or -1."""
+    ends = [i + len(sep) for sep in (b"\r\n\r\n", b"\n\n") if (i := data.find(sep)) >= 0]
+    if data.startswith((b"\r\n", b"\n")):
+        return 0
+    return min(ends) if ends else -1
+
+
+def _without_bcc(section: bytes) -> bytes:
+    """The header section minus every Bcc field and its folded continuation lines."""
+    kept: list[bytes] = []
+    dropping = False
+    for line in section.splitlines(keepends=True):
+        if line[:1] in (b" ", b"\t") and dropping:
+            continue
+        dropping = bool(_BCC_FIELD.match(line))
+        if not dropping:
+            kept.append(line)
+    return b"".join(kept)
+
+
+def _read_header(first: bytes, *, strip_bcc: bool) -> _Header:
+    end = _header_end(first)
+    section = first if end < 0 else first[:end]
+    fields = BytesHeaderParser(policy=policy.default).parsebytes(section)
+    browse = {}
+    for name in _BROWSED:
+        value = fields.get(name)
+        if value is not None:
+            browse[name] = str(value)[:_MAX_BROWSED_VALUE]
+    text = first
+    if strip_bcc and end >= 0:
+        text = _without_bcc(first[:end]) + first[end:]
+    return _Header(fields, text, browse)
+
+
+def _addresses(fields: Message, names: Iterable[str]) -> list[str]:
+    values = [str(v) for name in names for v in fields.get_all(name, [])]
+    return [addr for _, addr in getaddresses(values) if addr]
+
+
+def envelope_from_headers(fields: Message) -> Envelope:
+    """``sendmail -t``: recipients from To, Cc and Bcc; the sender from Sender or From."""
+    senders = _addresses(fields, ["Sender"]) or _addresses(fields, ["From"])
+    if not senders:
+        raise Unacceptable("no envelope sender given and no From or Sender field to take it from")
+    recipients = tuple(dict.fromkeys(_addresses(fields, ["To", "Cc", "Bcc"])))
+    if not recipients:
+        raise Unacceptable("no recipients given and no To, Cc or Bcc field to take them from")
+    return Envelope(senders[0], recipients).checked()
+
+
+class Intake:
+    """Queues messages streamed in by a trusted client.  ``clock``: ms since the epoch."""
+
+    def __init__(self, store: QueueStore, config: Config, *, clock: Callable[[], int]) -> None:
+        self.store = store
+        self.config = config
+        self.clock = clock
+        self.max_size = int(config.receiver.max_message_size)
+
+    async def receive(
+        self,
+        body: AsyncIterable[bytes],
+        envelope: Envelope | None,
+        *,
+        source: dict[str, str],
+        size_hint: int = 0,
+    ) -> Receipt:
+        """Store ``body`` and queue it for ``envelope`` (None: from the headers).
+
+        Raises ``Unacceptable`` or ``TooLarge`` (the client's fault) or a
+        ``TemporaryFailure`` (ours: try again later); in every case nothing is stored.
+        """
+        if envelope is not None:
+            envelope.checked()
+        if size_hint > self.max_size:
+            raise TooLarge(f"message of {size_hint} octets is over {self.max_size}")
+        now = self.clock()
+        msg_id = self.store.begin(now, size_hint=size_hint)
+        landing: asyncio.Future[None] | None = None
+        try:
+            meta, recipients, tail = await self._stream(msg_id, now, body, envelope, source)
+            landing = self.store.commit(meta, recipients, self.clock(), tail=tail)
+            await asyncio.shield(landing)
+        except BaseException:
+            # Abandon unless the commit landed after all (cancelled while it synced: the
+            # batch goes on by itself, and removing a queued message's chunks would lose it).
+            if landing is not None:
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(landing)
+            if landing is None or not landing.done() or landing.exception() is not None:
+                # A failed store cannot abandon either: its receiving marker stays, and the
+                # sweep (or the next start's recovery) removes the chunks.
+                with contextlib.suppress(ZoneqError):
+                    await asyncio.shield(self.store.abandon(msg_id))
+            raise
+        zones = tuple(dict.fromkeys(r.zone for r in recipients))
+        return Receipt(msg_id, meta.size, tuple(r.address for r in recipients), zones)
+
+    async def _stream(
+        self,
+        msg_id: int,
+        now: int,
+        body: AsyncIterable[bytes],
+        envelope: Envelope | None,
+        source: dict[str, str],
+    ) -> tuple[MessageMeta, list[NewRecipient], bytes | None]:
+        """Write the body's full chunks; the commit's metadata, recipients and tail."""
+        step = self.store.chunk_size
+        buffer = bytearray()
+        header: _Header | None = None
+        index = received = stored = 0
+        eight_bit = False
+        async for data in body:
+            received += len(data)
+            if received > self.max_size:
+                raise TooLarge(f"message is over {self.max_size} octets")
+            buffer += data
+            while len(buffer) >= step:
+                piece = bytes(buffer[:step])
+                del buffer[:step]
+                if header is None:
+                    header = _read_header(piece, strip_bcc=envelope is None)
+                    piece = header.text
+                eight_bit = eight_bit or not piece.isascii()
+                await self.store.write_chunk(msg_id, index, piece)
+                stored += len(piece)
+                index += 1
+        tail: bytes | None = bytes(buffer) if buffer else None
+        if header is None:
+            if tail is None:
+                raise Unacceptable("empty message")
+            header = _read_header(tail, strip_bcc=envelope is None)
+            tail = header.text
+        if tail is not None:
+            eight_bit = eight_bit or not tail.isascii()
+            stored += len(tail)
+        if envelope is None:
+            envelope = envelope_from_headers(header.fields)
+        recipients = [NewRecipient(rcpt, route(self.config, rcpt)) for rcpt in envelope.recipients]
+        meta = MessageMeta(
+            msg_id=msg_id,
+            sender=envelope.sender,
+            size=stored,
+            chunks=index + (1 if tail is not None else 0),
+            received_ms=now,
+            # RFC 6531: a non-ASCII address needs SMTPUTF8; RFC 6152: 8-bit text 8BITMIME.
+            smtputf8=not all(a.isascii() for a in (envelope.sender, *envelope.recipients)),
+            body_8bit=eight_bit,
+            headers=header.browse,
+            source=source,
+        )
+        return meta, recipients, tail

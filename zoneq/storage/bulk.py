@@ -1,0 +1,110 @@
+"""Administrators' operations on many recipients at once, and zones paused by them.
+
+``admin.py`` drops, holds and releases one message at a time; a purge by filter or a hold of
+a whole zone picks recipients from anywhere in a zone.  The caller (``zoneq.queue.admin``)
+pages through a zone with :meth:`browse` and hands each page's chosen records here, so one
+call is one bounded batch: a million-recipient purge is a thousand small batches with the
+event loop free between them, not one batch that blocks it for seconds.
+
+The records given must be fresh from a read made without an ``await`` in between (each
+method builds its whole batch before its first ``await``), so the state each one is in is
+the state it is removed from, and the O(1) counters stay exact.
+
+Paused zones are store-wide values in the ``meta`` family (``meta "paused-zone" <zone>``),
+so a pause survives a restart; the queue service consults them before handing out work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from zoneq.errors import NotFound, StorageCorruption
+from zoneq.protocol.events import EventKind
+from zoneq.storage import keys
+from zoneq.storage.base import STATE_FAMILY, Outcome, QueuedRecipient, StoreBase
+from zoneq.storage.leveldb import Op
+from zoneq.storage.records import State
+
+_PAUSED = keys.meta("paused-zone")
+NO_OUTCOME = Outcome()  # an administrator's drop: no remote reply to record
+
+
+def _paused_key(zone: str) -> bytes:
+    return _PAUSED + keys.text(zone)
+
+
+class BulkMixin(StoreBase):
+    async def drop_many(self, chosen: Sequence[QueuedRecipient], now_ms: int) -> int:
+        """Remove these recipients (no DSN), each with a DROPPED event, and every message
+        left without recipients; how many were removed.  A leased one is revoked, so the
+        worker's report is refused (as :meth:`drop` does)."""
+        self._check()
+        # Heads first, before anything changes: a message whose head is missing or corrupt
+        # still loses the records named, but its head is left for the sweep to judge.
+        heads: dict[int, tuple[int, int] | None] = {}
+        for queued in chosen:
+            msg_id = queued.recipient.msg_id
+            if msg_id not in heads:
+                try:
+                    heads[msg_id] = self._read_head(msg_id)
+                except (NotFound, StorageCorruption):
+                    heads[msg_id] = None
+        ops: list[Op] = []
+        gone: dict[int, int] = {}
+        for queued in chosen:
+            record = queued.recipient
+            ops.extend(self._remove_record(queued))
+            ops.append(self._outcome_event(EventKind.DROPPED, record, now_ms, NO_OUTCOME))
+            gone[record.msg_id] = gone.get(record.msg_id, 0) + 1
+        for msg_id, count in gone.items():
+            head = heads[msg_id]
+            if head is not None:
+                ops.extend(self._recipients_gone(msg_id, head, count))
+        if ops:
+            await self._writer.submit(ops, sync=False)
+        return len(chosen)
+
+    async def hold_many(self, chosen: Sequence[QueuedRecipient], reason: str) -> int:
+        """Put these recipients on hold; leased ones are passed over (they may be on the
+        wire and finish their attempt, as :meth:`hold` does); how many were held."""
+        self._check()
+        ops: list[Op] = []
+        held = 0
+        for queued in chosen:
+            record = queued.recipient
+            if queued.state not in (State.READY, State.DEFERRED):
+                continue
+            family = STATE_FAMILY[queued.state]
+            if keys.record(family, record.zone, record.msg_id, record.address) in self._leases:
+                continue
+            ops.extend(self._remove_record(queued))
+            self._counters.move(record.zone, record.domain, None, State.HELD)
+            on_hold = replace(record, hold_reason=reason)
+            held_key = keys.record(keys.HELD, record.zone, record.msg_id, record.address)
+            ops.append((held_key, on_hold.encode()))
+            held += 1
+        if ops:
+            await self._writer.submit(ops, sync=False)
+        return held
+
+    async def ready_many(self, chosen: Sequence[QueuedRecipient]) -> int:
+        """Make these held or deferred recipients ready at once (delays reset)."""
+        self._check()
+        return await self._make_ready(q for q in chosen if q.state in (State.HELD, State.DEFERRED))
+
+    # --- paused zones ---------------------------------------------------------------------
+
+    async def set_paused(self, zone: str, paused: bool) -> None:
+        """Persist a zone's pause (synced: an administrator was told it is paused)."""
+        self._check()
+        key = _paused_key(zone)
+        await self._writer.submit([(key, b"" if paused else None)], sync=True)
+
+    def paused_zones(self) -> set[str]:
+        """Zones an administrator paused, as persisted."""
+        found: set[str] = set()
+        for key in self._db.keys(prefix=_PAUSED):
+            zone, _ = keys.split_text(key, len(_PAUSED))
+            found.add(zone)
+        return found
