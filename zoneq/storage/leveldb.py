@@ -77,6 +77,17 @@ class Database:
     def is_open(self) -> bool:
         return self._db is not None and not self._db.closed
 
+    @property
+    def inline_safe(self) -> bool:
+        """Whether a small unsynced write may run on the event loop thread (``writer.py``).
+
+        True for this class: such a write is a memtable insert and a log append, a few
+        microseconds.  A subclass that overrides ``write`` may block in it (the tests hold
+        writes at a gate to stage races with a write in flight), so its writes always go
+        through the writer thread.
+        """
+        return type(self).write is Database.write
+
     # --- access ---------------------------------------------------------------------------
 
     def _handle(self) -> Any:
