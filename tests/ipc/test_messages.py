@@ -88,13 +88,22 @@ requests: st.SearchStrategy[Request] = st.one_of(
     st.builds(Hello, zone=text, worker=text, pid=i64),
     st.builds(LeaseRequest, max_jobs=st.integers(1, 2**32), wait_ms=st.integers(0, 2**32)),
     st.builds(ChunkRequest, msg_id=u64, index=u64),
-    st.builds(Report, results=st.lists(reports, max_size=5).map(tuple)),
+    st.builds(
+        Report,
+        results=st.lists(reports, max_size=5).map(tuple),
+        lease_jobs=st.integers(0, 2**32),
+    ),
 )
 replies: st.SearchStrategy[Reply] = st.one_of(
     st.builds(Welcome, core_pid=i64),
     st.builds(LeaseReply, jobs=st.lists(jobs, max_size=3).map(tuple)),
     st.builds(ChunkReply, data=st.binary(max_size=4096)),
-    st.builds(ReportReply, accepted=st.lists(u64).map(tuple), refused=st.lists(u64).map(tuple)),
+    st.builds(
+        ReportReply,
+        accepted=st.lists(u64).map(tuple),
+        refused=st.lists(u64).map(tuple),
+        jobs=st.lists(jobs, max_size=2).map(tuple),
+    ),
     st.builds(ErrorReply, kind=text, message=text),
 )
 
@@ -209,6 +218,8 @@ def test_bad_envelopes_name_the_field(obj: object, field: str) -> None:
         ("chunk", {"msg_id": 1, "index": 1.0}, "chunk.index: expected int"),
         ("report", {"results": {}}, "report.results: expected array"),
         ("report", {"results": [1]}, r"report.results\[0\]: expected map"),
+        ("report", {"results": [], "lease_jobs": -1}, "report.lease_jobs: must be at least 0"),
+        ("report", {"results": [], "lease_jobs": "1"}, "report.lease_jobs: expected int"),
         (
             "report",
             {"results": [{"token": 1, "outcome": "lost"}]},
@@ -235,6 +246,9 @@ def test_nested_reply_fields_are_named() -> None:
         decode_reply(open_envelope(envelope_of("chunk-data", {"data": "text"})))
     with pytest.raises(ProtocolError, match=r"^reported.refused\[0\]: expected int"):
         decode_reply(open_envelope(envelope_of("reported", {"accepted": [], "refused": [None]})))
+    reported = {"accepted": [], "refused": [], "jobs": [{"msg_id": 1}]}
+    with pytest.raises(ProtocolError, match=r"^reported.jobs\[0\].sender: missing"):
+        decode_reply(open_envelope(envelope_of("reported", reported)))
     with pytest.raises(ProtocolError, match="unknown reply"):
         decode_reply(open_envelope(envelope_of("lease", {})))
 
@@ -303,3 +317,38 @@ def test_a_job_carries_an_inline_body_or_none() -> None:
     wire["body"] = "not bytes"
     with pytest.raises(ProtocolError, match=r"job\.body"):
         Job.from_wire(wire, "job")
+
+
+@pytest.mark.parametrize(
+    ("verb", "body", "decoded"),
+    [
+        # A worker of the previous release: a report that does not ask for the next job.
+        ("report", {"results": []}, Report(results=())),
+        ("report", {"results": [], "lease_jobs": None}, Report(results=())),
+        ("report", {"results": [], "lease_jobs": 1}, Report(results=(), lease_jobs=1)),
+    ],
+)
+def test_report_asks_for_the_next_job_only_when_it_says_so(
+    verb: str, body: object, decoded: Request
+) -> None:
+    assert decode_request(open_envelope(envelope_of(verb, body))) == decoded
+
+
+@pytest.mark.parametrize(
+    ("body", "decoded"),
+    [
+        # A core of the previous release answers without jobs: "no job ready".
+        ({"accepted": [1], "refused": []}, ReportReply(accepted=(1,))),
+        ({"accepted": [], "refused": [2], "jobs": None}, ReportReply(refused=(2,))),
+        ({"accepted": [], "refused": [], "jobs": []}, ReportReply()),
+    ],
+)
+def test_report_reply_without_jobs_means_none_ready(body: object, decoded: Reply) -> None:
+    assert decode_reply(open_envelope(envelope_of("reported", body))) == decoded
+
+
+def test_report_reply_carries_jobs_in_the_lease_reply_form() -> None:
+    job = sample_job()
+    wire = seal(8, ReportReply(accepted=(1,), jobs=(job,)))["body"]
+    assert wire == {"accepted": [1], "refused": [], "jobs": [job.to_wire()]}
+    assert seal(9, Report(results=(), lease_jobs=1))["body"] == {"results": [], "lease_jobs": 1}

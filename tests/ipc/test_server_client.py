@@ -78,6 +78,7 @@ class FakeCore:
         self.jobs: tuple[Job, ...] = (make_job(7, 3, tokens=(11, 12)),)
         self.bodies: dict[int, list[bytes]] = {7: [b"chunk-0;", b"chunk-1;", b"chunk-2."]}
         self.lease_gate: asyncio.Event | None = None  # lease waits for it when set
+        self.report_gate: asyncio.Event | None = None  # report waits for it when set
         self.fail: dict[str, BaseException] = {}
         self.running_leases = 0
         self.peak_leases = 0
@@ -117,10 +118,13 @@ class FakeCore:
 
     async def report(self, conn: ConnectionInfo, msg: Report) -> ReportReply:
         self._enter("report", conn, msg)
+        if self.report_gate is not None:
+            await self.report_gate.wait()
         tokens = [r.token for r in msg.results]
         return ReportReply(
             accepted=tuple(t for t in tokens if t < 100),
             refused=tuple(t for t in tokens if t >= 100),
+            jobs=self.jobs[: msg.lease_jobs],
         )
 
     def disconnected(self, conn: ConnectionInfo) -> None:
@@ -585,25 +589,83 @@ def test_iter_body_stops_early_and_reports_missing_chunks(tmp_path: Path) -> Non
     run(body)
 
 
-def test_cancelled_lease_request_gives_its_jobs_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("asking", ["lease", "report-and-lease"])
+def test_cancelled_leasing_request_gives_its_jobs_back(tmp_path: Path, asking: str) -> None:
     async def body() -> None:
         async with serving(tmp_path) as (_, core):
-            core.lease_gate = asyncio.Event()
+            gate = asyncio.Event()
             client = await within(IpcClient.connect(tmp_path / "core.sock", HELLO))
+            done = (RecipientReport(token=5, outcome=Outcome.DELIVERED),)
+            if asking == "lease":
+                core.lease_gate = gate
+                request = client.lease(wait_ms=60_000)
+            else:
+                core.report_gate = gate
+                request = client.report(done, lease_jobs=1)
             with pytest.raises(TimeoutError):
-                await asyncio.wait_for(client.lease(wait_ms=60_000), 0.05)
-            core.lease_gate.set()  # the core grants the jobs after the worker gave up
+                await asyncio.wait_for(request, 0.05)
+            gate.set()  # the core grants the jobs after the worker gave up
+            returned: list[Report] = []
             for _ in range(200):
-                if "report" in core.verbs():
+                returned = [
+                    msg
+                    for verb, _, msg in core.calls
+                    if isinstance(msg, Report) and msg.results[0].outcome is Outcome.RETURNED
+                ]
+                if returned:
                     break
                 await asyncio.sleep(0.01)
-            ((_, _, report),) = [call for call in core.calls if call[0] == "report"]
-            assert isinstance(report, Report)
-            assert {(r.token, r.outcome) for r in report.results} == {
+            (give_back,) = returned
+            assert give_back.lease_jobs == 0  # giving back must not lease again
+            assert {(r.token, r.outcome) for r in give_back.results} == {
                 (11, Outcome.RETURNED),
                 (12, Outcome.RETURNED),
             }
             assert not client.closed
+            await client.close()
+
+    run(body)
+
+
+def test_report_without_lease_jobs_is_not_given_back_when_cancelled(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with serving(tmp_path) as (_, core):
+            core.report_gate = asyncio.Event()
+            client = await within(IpcClient.connect(tmp_path / "core.sock", HELLO))
+            done = (RecipientReport(token=5, outcome=Outcome.DELIVERED),)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(client.report(done), 0.05)
+            core.report_gate.set()
+            await within(client.lease())  # a later round trip: the first reply is in
+            assert core.verbs() == ["hello", "report", "lease"]
+            await client.close()
+
+    run(body)
+
+
+def test_requests_of_one_turn_leave_in_one_write(tmp_path: Path) -> None:
+    """Frames written in the same turn of the loop go out in one write, in order; and a
+    reply the core finishes in one turn for several requests comes back in one write."""
+
+    async def body() -> None:
+        async with serving(tmp_path) as (_, core):
+            client = await within(IpcClient.connect(tmp_path / "core.sock", HELLO))
+            writes: list[bytes] = []
+            write = client._writer.write
+
+            def counted(data: bytes) -> None:
+                writes.append(bytes(data))
+                write(data)
+
+            client._writer.write = counted  # type: ignore[method-assign]
+            replies = await within(asyncio.gather(*(client.chunk(7, index) for index in range(3))))
+            assert replies == [b"chunk-0;", b"chunk-1;", b"chunk-2."]
+            assert len(writes) == 1  # three requests, one send
+            frames = FrameDecoder().feed(writes[0])
+            assert [open_envelope(f).body["index"] for f in frames] == [0, 1, 2]  # type: ignore[index]
+            await within(client.report((RecipientReport(1, Outcome.DELIVERED),)))
+            assert len(writes) == 2  # the next turn's request is a write of its own
+            assert core.verbs() == ["hello", "chunk", "chunk", "chunk", "report"]
             await client.close()
 
     run(body)

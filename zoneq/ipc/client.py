@@ -13,10 +13,13 @@ every outstanding request fails with ``ConnectionLost`` (a ``TemporaryFailure``:
 stays queued and the core takes the leases back) and later requests fail at once: a worker
 reconnects by making a new client, it is not done behind its back.
 
-Cancelling a request does not cancel it in the core.  For a ``LeaseRequest`` that matters:
-the core may grant jobs nobody will deliver.  So the id of a cancelled lease request is
-remembered, and if its reply brings jobs they are given back straight away (a ``Report``
-with outcome ``RETURNED``) instead of sitting leased until the connection ends.
+Cancelling a request does not cancel it in the core.  For a ``LeaseRequest`` (or a
+``Report`` that also leases) that matters: the core may grant jobs nobody will deliver.
+So the id of a cancelled leasing request is remembered, and if its reply brings jobs they
+are given back straight away (a ``Report`` with outcome ``RETURNED``) instead of sitting
+leased until the connection ends.
+
+Requests written in the same turn of the event loop leave in one write (``batching.py``).
 
 ``iter_body`` streams a job's body chunk by chunk, fetching the next chunk while the caller
 sends the current one, so at most two chunks of a message are held at a time.
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Final, overload
 
 from zoneq.errors import ProtocolError, TemporaryFailure
+from zoneq.ipc.batching import FrameBatcher
 from zoneq.ipc.framing import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame
 from zoneq.ipc.messages import (
     ChunkReply,
@@ -82,6 +86,7 @@ class IpcClient:
     ) -> None:
         self._reader = reader
         self._writer = writer
+        self._out = FrameBatcher(writer)
         self._max_frame = max_frame
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Reply]] = {}
@@ -156,7 +161,7 @@ class IpcClient:
         future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[req_id] = future
         try:
-            self._writer.write(frame)
+            self._out.write(frame)
             await self._writer.drain()
             reply = await future
         except ConnectionError as exc:
@@ -164,7 +169,7 @@ class IpcClient:
             self._connection_ended(f"connection to the core lost: {exc}")
             raise ConnectionLost(f"connection to the core lost: {exc}") from exc
         except asyncio.CancelledError:
-            if isinstance(msg, LeaseRequest):
+            if isinstance(msg, LeaseRequest) or (isinstance(msg, Report) and msg.lease_jobs):
                 self._abandon_lease(req_id, future)
             raise
         finally:
@@ -184,8 +189,12 @@ class IpcClient:
         reply = await self.request(ChunkRequest(msg_id=msg_id, index=index))
         return reply.data
 
-    async def report(self, results: tuple[RecipientReport, ...]) -> ReportReply:
-        return await self.request(Report(results=results))
+    async def report(
+        self, results: tuple[RecipientReport, ...], *, lease_jobs: int = 0
+    ) -> ReportReply:
+        """Report ``results``; with ``lease_jobs``, the reply also brings up to that many
+        jobs that were ready (none if none was: then ``lease`` waits for one)."""
+        return await self.request(Report(results=results, lease_jobs=lease_jobs))
 
     async def iter_body(self, job: Job, *, read_ahead: bool = True) -> AsyncIterator[bytes]:
         """The body of ``job``, chunk by chunk, in order.
@@ -243,8 +252,7 @@ class IpcClient:
             return
         if req_id in self._abandoned_leases:
             self._abandoned_leases.discard(req_id)
-            if isinstance(reply, LeaseReply):
-                self._give_back(reply.jobs)
+            self._give_back(_leased_jobs(reply))
             return
         # A reply to a request cancelled meanwhile; nothing waits for it.
         log.debug("IPC: dropping reply %d (%s) nobody waits for", req_id, reply.VERB)
@@ -256,9 +264,7 @@ class IpcClient:
                 self._abandoned_leases.add(req_id)
         elif future.exception() is None:
             # The reply came in just as the caller was cancelled: its jobs are ours to return.
-            reply = future.result()
-            if isinstance(reply, LeaseReply):
-                self._give_back(reply.jobs)
+            self._give_back(_leased_jobs(future.result()))
 
     def _give_back(self, jobs: tuple[Job, ...]) -> None:
         results = tuple(
@@ -291,4 +297,12 @@ class IpcClient:
                 # One exception object per waiter: a shared one would collect every
                 # waiter's traceback.
                 future.set_exception(ConnectionLost(reason))
+        self._out.flush()  # requests written this turn (a give-back) still go out
         self._writer.close()
+
+
+def _leased_jobs(reply: Reply) -> tuple[Job, ...]:
+    """The jobs a reply grants (a lease, or a report that also leased)."""
+    if isinstance(reply, LeaseReply | ReportReply):
+        return reply.jobs
+    return ()

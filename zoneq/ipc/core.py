@@ -58,14 +58,14 @@ class QueueHandler:
         jobs = await self._service.lease(
             self._zone(conn), conn.owner, max(1, msg.max_jobs), min(msg.wait_ms, MAX_WAIT_MS)
         )
-        return LeaseReply(jobs=tuple(_job(job) for job in jobs))
+        return LeaseReply(jobs=tuple(map(_job, jobs)))
 
     async def chunk(self, conn: ConnectionInfo, msg: ChunkRequest) -> ChunkReply:
         self._zone(conn)
         return ChunkReply(data=self._service.chunk(msg.msg_id, msg.index))
 
     async def report(self, conn: ConnectionInfo, msg: Report) -> ReportReply:
-        self._zone(conn)
+        zone = self._zone(conn)
         outcomes = [
             queue.RecipientOutcome(
                 token=item.token,
@@ -80,7 +80,14 @@ class QueueHandler:
             for item in msg.results
         ]
         accepted, refused = await self._service.report(conn.owner, outcomes)
-        return ReportReply(accepted=tuple(accepted), refused=tuple(refused))
+        jobs: list[queue.Job] = []
+        if msg.lease_jobs:
+            # After the commit, and without waiting: the reply carries the report's fate,
+            # which must not sit behind an empty queue (messages.py).
+            jobs = await self._service.lease(zone, conn.owner, msg.lease_jobs, 0)
+        return ReportReply(
+            accepted=tuple(accepted), refused=tuple(refused), jobs=tuple(map(_job, jobs))
+        )
 
     def disconnected(self, conn: ConnectionInfo) -> None:
         self._service.disconnected(conn.owner)

@@ -17,9 +17,19 @@ request (worker -> core)   reply (core -> worker)  meaning
                                                    most ``wait_ms`` for one (empty if none)
 ``ChunkRequest``           ``ChunkReply``          one chunk of a leased message's body
 ``Report``                 ``ReportReply``         outcomes per recipient token; tokens whose
-                                                   lease is no longer current are refused
+                                                   lease is no longer current are refused;
+                                                   with ``lease_jobs`` the reply also brings
+                                                   up to that many jobs ready at once
 any                        ``ErrorReply``          the request failed; ``kind`` says how
 =========================  ======================  ==========================================
+
+A busy delivery loop reports a job and takes the next in one round trip: its ``Report``
+asks for ``lease_jobs`` and the ``ReportReply`` brings them, so a message costs one frame
+each way instead of two.  The core commits the report first and then leases without
+waiting, so the reply is never held up by an empty queue (a worker that gets no job asks
+with a waiting ``LeaseRequest``) and a worker told to stop still has its report answered
+at once.  Both fields are optional on the wire: a core that does not know ``lease_jobs``
+ignores it and answers without ``jobs``, which a worker takes as "no job ready".
 
 Bodies are maps with the field names of the dataclasses, so a capture is readable without
 this module.  Decoding validates every field's type and names the field (as a path such as
@@ -145,6 +155,13 @@ def _opt_bytes(body: _Body, name: str, where: str) -> bytes | None:
     if not isinstance(value, bytes):
         raise _fail(where, name, "bytes or nil", value)
     return value
+
+
+def _opt_count(body: _Body, name: str, where: str) -> int:
+    """An optional count: absent is 0 (older peers do not send it)."""
+    if body.get(name) is None:
+        return 0
+    return _int(body, name, where, minimum=0)
 
 
 def _bool(body: _Body, name: str, where: str) -> bool:
@@ -331,18 +348,29 @@ class RecipientReport:
 
 @dataclass(frozen=True, slots=True)
 class Report:
-    """Outcomes for leased recipients; the core commits them and ends their leases."""
+    """Outcomes for leased recipients; the core commits them and ends their leases.
+
+    ``lease_jobs``: once they are committed, lease up to that many jobs of the zone that
+    are ready now (no waiting) and send them with the reply; 0 for none.
+    """
 
     VERB: ClassVar[str] = "report"
 
     results: tuple[RecipientReport, ...]
+    lease_jobs: int = 0
 
     def to_wire(self) -> dict[str, object]:
-        return {"results": [result.to_wire() for result in self.results]}
+        return {
+            "results": [result.to_wire() for result in self.results],
+            "lease_jobs": self.lease_jobs,
+        }
 
     @classmethod
     def from_wire(cls, body: _Body, where: str = VERB) -> Report:
-        return cls(results=_nested(body, "results", where, RecipientReport.from_wire))
+        return cls(
+            results=_nested(body, "results", where, RecipientReport.from_wire),
+            lease_jobs=_opt_count(body, "lease_jobs", where),
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -476,21 +504,29 @@ class ChunkReply:
 
 @dataclass(frozen=True, slots=True)
 class ReportReply:
-    """Which reported tokens were committed, and which refused (their lease had ended)."""
+    """Which reported tokens were committed, and which refused (their lease had ended);
+    and the jobs leased for the report's ``lease_jobs``."""
 
     VERB: ClassVar[str] = "reported"
 
     accepted: tuple[int, ...] = ()
     refused: tuple[int, ...] = ()
+    jobs: tuple[Job, ...] = ()
 
     def to_wire(self) -> dict[str, object]:
-        return {"accepted": list(self.accepted), "refused": list(self.refused)}
+        return {
+            "accepted": list(self.accepted),
+            "refused": list(self.refused),
+            "jobs": [job.to_wire() for job in self.jobs],
+        }
 
     @classmethod
     def from_wire(cls, body: _Body, where: str = VERB) -> ReportReply:
+        jobs = _nested(body, "jobs", where, Job.from_wire) if body.get("jobs") is not None else ()
         return cls(
             accepted=_int_tuple(body, "accepted", where),
             refused=_int_tuple(body, "refused", where),
+            jobs=jobs,
         )
 
 

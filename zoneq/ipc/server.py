@@ -14,7 +14,8 @@ always see the connection's zone and owner.  After that every request runs in a 
 own and its reply is written when it completes, so a ``LeaseRequest`` waiting for mail does
 not hold up a ``ChunkRequest`` behind it.  At most ``max_in_flight`` requests of one
 connection run at once; beyond that the reader stops reading and the socket's buffers push
-back on the worker.
+back on the worker.  Replies finished in the same turn of the event loop leave in one write
+(``batching.py``): one group commit settles many reports at once.
 
 A handler's exception becomes an ``ErrorReply`` for that request (zoneq errors mapped to
 their kind; anything else logged and sent as "internal") and the connection carries on.  A
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Final, Protocol
 
 from zoneq.errors import ProtocolError, ZoneqError
+from zoneq.ipc.batching import FrameBatcher
 from zoneq.ipc.framing import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame
 from zoneq.ipc.messages import (
     ChunkReply,
@@ -223,6 +225,7 @@ class _Connection:
         self._handler = handler
         self._reader = reader
         self._writer = writer
+        self._out = FrameBatcher(writer)
         self._max_frame = max_frame
         self._info = ConnectionInfo(owner=f"?#{serial}", serial=serial)
         self._helloed = False
@@ -347,7 +350,7 @@ class _Connection:
             frame = encode_frame(
                 seal(req_id, ErrorReply("internal", "internal error (reply not encodable)"))
             )
-        self._writer.write(frame)
+        self._out.write(frame)
 
     async def _end(self) -> None:
         tasks = list(self._running.values())
@@ -363,6 +366,7 @@ class _Connection:
             self._handler.disconnected(self._info)
         except Exception:
             log.exception("IPC %s: disconnected() failed", self._info.owner)
+        self._out.flush()  # a last error reply (a refused hello, a protocol error)
         self._writer.close()
         with contextlib.suppress(OSError, asyncio.CancelledError):
             await self._writer.wait_closed()
