@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -39,7 +38,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if args.zone not in config.zones:
         print(f"zoneq worker: no zone {args.zone!r} in the configuration", file=sys.stderr)
         return 2
-    return asyncio.run(worker.run(config, args.zone, args.name))
+    return worker.main(config, args.zone, args.name)
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:

@@ -2,9 +2,14 @@
 
 Each loop asks the core for a job (waiting for one if there is none), makes one delivery
 attempt (``attempt.py``) with the body fetched chunk by chunk over IPC, and reports one
-outcome per recipient.  The worker holds nothing durable: if it dies, the core returns its
-leases at once and the supervisor starts a new one.  SIGTERM stops it taking new jobs; the
-ones in hand finish and are reported, then it exits.
+outcome per recipient.  The report also asks for the next job (``Report.lease_jobs``), so
+a busy loop spends one IPC round trip per message, not two; only when the reply brings no
+job does the loop go back to a waiting lease.  The worker holds nothing durable: if it
+dies, the core returns its leases at once and the supervisor starts a new one.  SIGTERM
+stops it taking new jobs; the ones in hand finish and are reported, then it exits.  A
+report is written to the socket before the loop awaits anything, and awaited to its reply,
+so a stop cannot lose one; jobs that come with a report's reply after SIGTERM are given
+back untried.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import random
 import signal
 import time
 from pathlib import Path
+
+import uvloop
 
 from zoneq.config import Config
 from zoneq.delivery.attempt import Settings, attempt
@@ -110,22 +117,32 @@ class Worker:
         return lease.result()
 
     async def _loop(self, number: int) -> None:
-        while not self.stopping.is_set():
-            try:
-                jobs = await self._lease()
-            except TemporaryFailure as exc:
-                if self._client.closed:
-                    raise  # the core is gone: exit, the supervisor decides what next
-                log.warning("loop %d: lease failed: %s", number, exc)
-                await asyncio.sleep(1)
+        jobs: tuple[Job, ...] = ()
+        while True:
+            if not jobs:
+                if self.stopping.is_set():
+                    return
+                try:
+                    jobs = await self._lease()
+                except TemporaryFailure as exc:
+                    if self._client.closed:
+                        raise  # the core is gone: exit, the supervisor decides what next
+                    log.warning("loop %d: lease failed: %s", number, exc)
+                    await asyncio.sleep(1)
                 continue
-            for job in jobs:
-                reports = await self._deliver(job)
-                reply = await self._client.report(tuple(reports))
-                if reply.refused:
-                    log.warning(
-                        "core refused %d stale report(s) for %x", len(reply.refused), job.msg_id
-                    )
+            if self.stopping.is_set():
+                reports = [_returned(r.token) for job in jobs for r in job.recipients]
+            else:
+                reports = [report for job in jobs for report in await self._deliver(job)]
+            more = 0 if self.stopping.is_set() else 1
+            reply = await self._client.report(tuple(reports), lease_jobs=more)
+            if reply.refused:
+                log.warning(
+                    "core refused %d stale report(s) of %s",
+                    len(reply.refused),
+                    ", ".join(f"{job.msg_id:x}" for job in jobs),
+                )
+            jobs = reply.jobs
 
     async def _deliver(self, job: Job) -> list[RecipientReport]:
         try:
@@ -148,6 +165,17 @@ class Worker:
                 )
                 for r in job.recipients
             ]
+
+
+def _returned(token: int) -> RecipientReport:
+    return RecipientReport(token, Outcome.RETURNED, reply="worker stopping")
+
+
+def main(config: Config, zone: str, name: str) -> int:
+    """``zoneq worker``: :func:`run` on uvloop, as the core runs.  A worker's CPU goes mostly
+    to the event loop's own work per socket event (two sockets per message: the MX and the
+    core), which libuv does in C (tools/bench/delivery_bench.py)."""
+    return uvloop.run(run(config, zone, name))
 
 
 async def run(config: Config, zone: str, name: str) -> int:

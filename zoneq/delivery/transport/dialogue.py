@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from dataclasses import dataclass, field
+from typing import cast
 
 import aiosmtplib
 
@@ -102,13 +103,15 @@ async def open_session(dest: Destination, seen: Seen) -> Connection:
                     detail="TLS is required, but STARTTLS was not offered by the host",
                 )
         transport = smtp.transport
-        if not isinstance(transport, asyncio.Transport) or transport.is_closing():
+        if transport is None or transport.is_closing():
             raise lost(Stage.EHLO, "connection closed")
     except BaseException:
         smtp.close()
         raise
     return Connection(
-        channel=Channel(transport),
+        # A stream transport (aiosmtplib connects with create_connection), though not
+        # always an asyncio.Transport subclass: uvloop's, on the worker's loop, are not.
+        channel=Channel(cast(asyncio.Transport, transport)),
         extensions=seen.extensions,
         peer=seen.peer,
         local=seen.local,
