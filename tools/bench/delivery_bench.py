@@ -6,23 +6,28 @@ Prints, in one run (figures depend on the machine; compare the ratio):
    by dnsmasq to one Postfix smtp-sink on 127.0.0.x), delivered by zoneq: messages/s from
    the first job leased to the queue being empty.  The messages are all committed before
    the core (queue service, IPC server, supervisor and its ``python -m zoneq worker``
-   processes) starts, so the figure is delivery alone.  Next to it, Postfix's smtp-source
-   sends the same number of 1 KB messages straight to the same kind of smtp-sink, one
-   message per connection as zoneq does, with as many parallel sessions as zoneq has
-   connections: the ceiling with no queue at all.  The ratio of the two is printed.
+   processes) starts, and no job is handed out until every worker process has connected
+   (a start gate: a worker's start-up, mostly imports, would otherwise overlap the first
+   seconds of delivery and be counted in its CPU), so the figure is delivery alone.  Next
+   to it, Postfix's smtp-source sends the same number of 1 KB messages straight to the
+   same kind of smtp-sink, one message per connection as zoneq does, with as many parallel
+   sessions as zoneq has connections: the ceiling with no queue at all.  The ratio of the
+   two is printed.
 2. One message with R recipients over the same D domains: seconds from the workers' start
    until the queue is empty.
 
 With them: the worker processes and connections, the CPU count, and the CPU seconds each
-party (core, workers, smtp-sink, smtp-source) spent in each phase, to show where time goes.
+party (core, workers, smtp-sink, smtp-source) spent in each phase from the start gate on,
+also per message, to show where time goes; the workers' start-up CPU is shown apart.
 
-The core runs in this process as ``zoneq serve`` builds it (the store opened from the
-config, the service with the config's delivery limits), on a config written to a temporary
-directory; the DNS answers carry a TTL (``--dns-ttl``) as real ones do, so workers cache
-them.  smtp-sink dumps nothing (no ``-d``) and has a large listen backlog.  Each phase is
-bounded (``--timeout``): past it, what was delivered so far is reported and the exit status
-is 1.  A missing test-bed program (smtp-sink, smtp-source from ``$ZONEQ_TESTBED``, default
-the repository's ``.testbed``; dnsmasq) exits with status 77, saying what is missing.
+The core runs in this process as ``zoneq serve`` builds and runs it (the store opened from
+the config, the service with the config's delivery limits, on uvloop), on a config written
+to a temporary directory; the DNS answers carry a TTL (``--dns-ttl``) as real ones do, so
+workers cache them.  smtp-sink dumps nothing (no ``-d``) and has a large listen backlog.
+Each phase is bounded (``--timeout``): past it, what was delivered so far is reported and
+the exit status is 1.  A missing test-bed program (smtp-sink, smtp-source from
+``$ZONEQ_TESTBED``, default the repository's ``.testbed``; dnsmasq) exits with status 77,
+saying what is missing.
 
     python tools/bench/delivery_bench.py [--messages 10000] [--processes 2]
         [--connections 10] [--domains 100] [--bulk-recipients N] [--json PATH]
@@ -52,6 +57,7 @@ from pathlib import Path
 import dns.exception
 import dns.message
 import dns.query
+import uvloop
 
 from zoneq.config import Config, load_config
 from zoneq.ipc.core import QueueHandler
@@ -335,31 +341,48 @@ async def commit_all(store: QueueStore, messages: list[list[str]]) -> None:
         await asyncio.gather(*pending)
 
 
-def outcome_counts(store: QueueStore) -> tuple[Counter[str], int, int]:
-    """Event kinds, and the first and last delivery times (ms) of the zone."""
+def outcome_counts(store: QueueStore) -> tuple[Counter[str], int, int, Counter[str]]:
+    """Event kinds, the first and last delivery times (ms) of the zone, and the replies of
+    deferrals and bounces (to say why a run did not finish)."""
     kinds: Counter[str] = Counter()
+    failures: Counter[str] = Counter()
     first, last = 0, 0
     for _, event in store.events():
         kinds[event.kind.value] += 1
+        if event.kind.value in ("deferred", "bounced"):
+            failures[f"{event.kind.value}: {event.text}"] += 1
         if event.kind.value == "delivered" and event.zone == ZONE:
             first = event.time_ms if not first else min(first, event.time_ms)
             last = max(last, event.time_ms)
-    return kinds, first, last
+    return kinds, first, last, failures
 
 
-def timed_service(store: QueueStore, config: Config) -> tuple[QueueService, list[float]]:
-    """The service as ``zoneq serve`` builds it, noting when the first job is asked for."""
+def timed_service(
+    store: QueueStore, config: Config, gate: asyncio.Event
+) -> tuple[QueueService, list[float]]:
+    """The service as ``zoneq serve`` builds it, holding every lease until ``gate`` opens
+    and noting when the first job is asked for after that."""
     service = QueueService.from_config(store, config, clock=now_ms)
     first_lease: list[float] = []
     lease = service.lease
 
     async def timed_lease(*a, **kw):  # observes the service; zoneq is unchanged
+        if not gate.is_set():
+            await gate.wait()
         if not first_lease:
             first_lease.append(time.perf_counter())
         return await lease(*a, **kw)
 
     service.lease = timed_lease  # type: ignore[method-assign]
     return service, first_lease
+
+
+async def all_connected(server: IpcServer, workers: int, deadline: float) -> None:
+    """Wait until ``workers`` worker processes are connected to the core (the start gate)."""
+    while server.connection_count < workers:
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"only {server.connection_count} of {workers} workers connected")
+        await asyncio.sleep(POLL_S)
 
 
 async def run_zoneq(
@@ -384,24 +407,30 @@ async def run_zoneq(
         committed = time.perf_counter()
         await commit_all(store, messages)
         phase.extra["commit_seconds"] = time.perf_counter() - committed
-        service, first_lease = timed_service(store, config)
+        gate = asyncio.Event()
+        service, first_lease = timed_service(store, config, gate)
         server = IpcServer(Path(config.server.ipc_socket), QueueHandler(service, set(config.zones)))
         await server.start()
-        supervisor = Supervisor({z: c.processes for z, c in config.zones.items()}, config_path, 10)
+        processes = {z: c.processes for z, c in config.zones.items()}
+        supervisor = Supervisor(processes, config_path, 10)
         stop = asyncio.Event()
-        sink_before = cpu_seconds(sink_pid)
-        core_before = time.process_time()
         started = time.perf_counter()
         await supervisor.start()
         promoter = asyncio.create_task(service.run(stop, interval_s=1.0))
         try:
+            await all_connected(server, sum(processes.values()), started + timeout)
+            workers = [p for n, p in supervisor.pids().items() if n.startswith(f"{ZONE}-")]
+            startup = sum(cpu_seconds(pid) for pid in workers)
+            sink_before = cpu_seconds(sink_pid)
+            core_before = time.process_time()
+            gate.set()
             phase.note = await until_empty(store, service, started + timeout)
             phase.complete = not phase.note
             finished = time.perf_counter()
             phase.extra["cpu_core"] = time.process_time() - core_before
-            workers = [p for n, p in supervisor.pids().items() if n.startswith(f"{ZONE}-")]
-            phase.extra["cpu_workers"] = sum(cpu_seconds(pid) for pid in workers)
+            phase.extra["cpu_workers"] = sum(cpu_seconds(pid) for pid in workers) - startup
             phase.extra["cpu_smtp_sink"] = cpu_seconds(sink_pid) - sink_before
+            phase.extra["workers_startup_cpu_seconds"] = startup
         finally:
             stop.set()
             await supervisor.stop()
@@ -424,7 +453,10 @@ def account(
     phase: Phase, store: QueueStore, started: float, finished: float, first_lease: list[float]
 ) -> None:
     """The detail figures of a zoneq phase, and its outcomes from the event log."""
-    kinds, first_ms, last_ms = outcome_counts(store)
+    kinds, first_ms, last_ms, failures = outcome_counts(store)
+    if failures:
+        reply, count = failures.most_common(1)[0]
+        phase.note += f" (most common failure, {count}x: {reply[:120]})"
     phase.extra["workers_start_to_empty_seconds"] = finished - started
     phase.extra["start_to_first_lease_seconds"] = first_lease[0] - started if first_lease else -1
     phase.extra["first_to_last_delivery_seconds"] = (last_ms - first_ms) / 1000
@@ -499,10 +531,16 @@ def table(args: argparse.Namespace, source: Phase, single: Phase, bulk: Phase | 
             continue
         cpu = ", ".join(
             f"{key.removeprefix('cpu_').replace('_', '-')} {value:.2f} s"
+            f" ({value / max(1, phase.delivered) * 1000:.3f} ms each)"
             for key, value in phase.extra.items()
             if key.startswith("cpu_")
         )
         rows.append(f"  CPU seconds, {label}: {cpu}")
+    if s:
+        rows.append(
+            f"  workers' start-up (imports, before the gate): "
+            f"{s['workers_startup_cpu_seconds']:.2f} CPU s, not counted above"
+        )
     ratio = single.rate / source.rate if source.rate else 0.0
     verdict = (
         "result:"
@@ -571,11 +609,11 @@ def main(argv: list[str] | None = None) -> int:
             timeout=args.timeout,
         )
         limits = {"timeout": args.timeout, "sink_pid": sink_pid}
-        single = asyncio.run(run_zoneq("queued", config_path, singles, by_message=True, **limits))
+        single = uvloop.run(run_zoneq("queued", config_path, singles, by_message=True, **limits))
         bulk: Phase | None = None
         if single.complete:  # the queue directory is reused: start the bulk one afresh
             shutil.rmtree(directory / "queue", ignore_errors=True)
-            bulk = asyncio.run(
+            bulk = uvloop.run(
                 run_zoneq("bulk", config_path, bulk_messages, by_message=False, **limits)
             )
     finally:
