@@ -110,8 +110,12 @@ def _wait_listening(host: str, port: int, proc: subprocess.Popen[bytes], timeout
 
 
 @contextlib.contextmanager
-def run_smtp_sink(*options: str, host: str | None = None) -> Iterator[Sink]:
-    """Start smtp-sink with ``options`` (e.g. ``"-r", "RCPT"``); yield where it listens."""
+def run_smtp_sink(
+    *options: str, host: str | None = None, port: int | None = None
+) -> Iterator[Sink]:
+    """Start smtp-sink with ``options`` (e.g. ``"-r", "RCPT"``); yield where it listens.
+    ``port``: this one (several MX hosts on one port, as zoneq's ``mx_port`` needs), else a
+    free one."""
     binary = smtp_sink_binary()
     host = host or f"127.0.0.{random.randint(2, 250)}"
     dump_dir = Path(tempfile.mkdtemp(prefix="zoneq-sink-"))
@@ -122,7 +126,7 @@ def run_smtp_sink(*options: str, host: str | None = None) -> Iterator[Sink]:
     proc: subprocess.Popen[bytes] | None = None
     try:
         for _attempt in range(5):  # the free port may be taken between probe and bind
-            port = _free_port(host)
+            port = _free_port(host) if port is None else port
             address = f"{host}:{port}"
             with log.open("ab") as stderr:
                 proc = subprocess.Popen(
