@@ -1,0 +1,111 @@
+"""SIGKILL of the core at random moments while mail is received, delivered and bounced.
+
+A client sends over SMTP to ``zoneq serve`` (ledger of 250s, ``tests/support/ledger.py``),
+to recipients at ok.test (smtp-sink accepts) and at bad.test (a second smtp-sink that
+answers RCPT with 550, so DSNs are being generated and delivered to the sender all the
+time).  Each round the core is killed at a random moment: while the client sends, or after
+it stopped, while only deliveries and bounces run.  Then it is started again on the same
+queue.  After the last start every acknowledged (message, recipient) must have been
+delivered (ok.test) or reported by a DSN (bad.test), whole; extra copies only for what was
+in flight at a kill: at most one per delivery connection per kill and recipient of a job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import long_tests
+from tests.reliability.bed import WORKERS, inspect_queue, loopback_ip, mail_bed
+from tests.support.ledger import Dumps, Ledger, Load, audit, send_until_cut, wait_settled
+from tests.support.serve import Serve, smtp_port, start_serve
+from tests.support.smtpsink import run_smtp_sink
+
+pytestmark = pytest.mark.integration
+
+KILLS = 25 if long_tests() else 6
+CONNECTIONS = 4
+BOUNCE_CONNECTIONS = 2  # tests.support.serve's bounce zone
+RECIPIENTS = ("r1@ok.test", "r2@ok.test", "r3@ok.test", "x1@bad.test", "x2@bad.test")
+DELIVERY_TIMEOUT = 60.0
+
+
+async def one_round(serve: Serve, port: int, ledger: Ledger, run: int) -> str:
+    """Send, and kill the core at a random moment; what was going on at the kill."""
+    load = Load(RECIPIENTS, sizes=(300, 2_000, 70_000))
+    stop = asyncio.Event()
+    client = asyncio.create_task(send_until_cut(port, ledger, f"kill-{run}", load, stop=stop))
+    await asyncio.sleep(random.uniform(0.3, 1.5))
+    moment = "receive"
+    if random.random() < 0.5:  # stop sending first: the kill lands in delivery or bounces
+        moment = "delivery"
+        stop.set()
+        await asyncio.wait_for(client, timeout=30)
+        await asyncio.sleep(random.uniform(0.0, 1.0))
+    serve.kill()
+    await asyncio.wait_for(client, timeout=30)
+    return moment
+
+
+def test_sigkill_during_receive_delivery_and_bounces_loses_nothing(tmp_path: Path) -> None:
+    begun = time.monotonic()
+    ledger = Ledger()
+    dumps = Dumps()
+    moments: list[str] = []
+    survivors: list[int] = []
+    bad_ip = loopback_ip()
+    with (
+        mail_bed(tmp_path, remotes={"bad.test": bad_ip}) as bed,
+        run_smtp_sink("-f", "RCPT", host=bad_ip, port=bed.port),
+    ):
+        config = bed.config(connections=CONNECTIONS)
+        port = smtp_port(config)
+        for run in range(KILLS):
+            serve = start_serve(config, tmp_path / f"serve-{run}.log")
+            try:
+                serve.wait_ready(expected_workers=WORKERS)
+                moments.append(asyncio.run(one_round(serve, port, ledger, run)))
+            finally:
+                serve.kill()
+                survivors += serve.wait_workers_gone(timeout=10.0)
+                serve.cleanup()  # SIGKILL, by PID, to any worker still there
+        loop_s = time.monotonic() - begun
+
+        last = start_serve(config, tmp_path / "serve-last.log")
+        try:
+            last.wait_ready(expected_workers=WORKERS)
+            settled = wait_settled(bed.sink, dumps, ledger.expected(), timeout=DELIVERY_TIMEOUT)
+            stop_s = last.terminate()
+        finally:
+            last.cleanup()
+        dumps.scan(bed.sink)
+    state = inspect_queue(config)
+    result = audit(ledger, dumps)
+
+    delivered_bad = sorted((m, r) for m, r in dumps.delivered() if r.endswith("@bad.test"))
+    bounced_ok = sorted((m, r) for m, r in result.bounces if r.endswith("@ok.test"))
+    dsn_duplicates = sum(n - 1 for n in result.bounces.values())
+    limit = KILLS * CONNECTIONS * 3  # a job carries up to 3 recipients of ok.test
+    print(
+        f"\nkills: {KILLS} ({moments.count('receive')} while receiving, "
+        f"{moments.count('delivery')} while only delivering and bouncing); "
+        f"{len(ledger.acknowledged)} messages acknowledged, {len(ledger.cut)} cut, "
+        f"{len(ledger.refusals)} refused 4xx; {result.summary()} (limit {limit}), "
+        f"{dsn_duplicates} duplicate DSN report(s); loop {loop_s:.1f} s, last stop "
+        f"{stop_s:.1f} s, runtime {time.monotonic() - begun:.1f} s"
+    )
+    assert settled, f"not settled in {DELIVERY_TIMEOUT} s: {result.problems()}"
+    assert not result.problems(), result.problems()
+    assert not ledger.refused_5xx, ledger.refused_5xx
+    assert not delivered_bad, f"bad.test answers 550, yet: {delivered_bad[:5]}"
+    assert not bounced_ok, f"ok.test accepts, yet bounced: {bounced_ok[:5]}"
+    assert result.duplicate_count <= limit
+    assert dsn_duplicates <= KILLS * BOUNCE_CONNECTIONS
+    assert any(r.endswith("@bad.test") for _, r in result.expected), "no bounce was exercised"
+    assert state.messages == 0, state.counters
+    assert state.counters == state.recount
+    assert not survivors, f"workers outlived their killed core (killed by PID): {survivors}"
