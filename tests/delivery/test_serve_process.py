@@ -13,6 +13,8 @@ import contextlib
 import hashlib
 import random
 import re
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +23,13 @@ from pathlib import Path
 import pytest
 
 from tests.support.dnsmasq import Dnsmasq, running_dnsmasq
-from tests.support.serve import rss_anon_kib, running_serve, start_serve, write_serve_config
+from tests.support.serve import (
+    rss_anon_kib,
+    running_serve,
+    smtp_port,
+    start_serve,
+    write_serve_config,
+)
 from tests.support.smtpsink import Sink, run_smtp_sink
 from zoneq.storage.records import MessageMeta, NewRecipient
 from zoneq.storage.store import QueueStore
@@ -392,8 +400,6 @@ def test_mail_submitted_over_smtp_reaches_the_mx(tmp_path: Path) -> None:
 
     import aiosmtplib
 
-    from tests.support.serve import smtp_port
-
     with serve_bed(tmp_path) as bed:
         config = bed.config()
         with running_serve(config, tmp_path / "serve.log"):
@@ -419,3 +425,74 @@ def test_mail_submitted_over_smtp_reaches_the_mx(tmp_path: Path) -> None:
     assert "by mx.zoneq.test (zoneq)" in text
     assert "Subject: through zoneq" in text
     assert "Hello through zoneq.\n.a line with a leading dot\n" in text
+
+
+def _reply(stream: socket.socket) -> tuple[int, bytes]:
+    """One SMTP reply (all its lines) from a blocking socket: (code, text)."""
+    data = b""
+    while True:
+        piece = stream.recv(4096)
+        if not piece:
+            raise ConnectionError(f"connection closed after {data!r}")
+        data += piece
+        lines = data.split(b"\r\n")
+        if len(lines) > 1 and len(lines[-2]) >= 4 and lines[-2][3:4] == b" ":
+            return int(lines[-2][:3]), data
+
+
+def test_a_100_mb_message_sent_over_smtp_grows_no_serve_process_by_more_than_32_mb(
+    tmp_path: Path,
+) -> None:
+    # Issue 4: DATA streams into the store's chunks as it arrives.  The client writes the
+    # body a chunk at a time (it never holds the message either), and every process of
+    # serve (the core and its children) is sampled from before MAIL until the 250.
+    with serve_bed(tmp_path) as bed:
+        config = bed.config(connections=2)
+        text = config.read_text().replace(
+            "[receiver]\n", '[receiver]\nmax_message_size = "200MiB"\n'
+        )
+        config.write_text(text)
+        with running_serve(config, tmp_path / "serve.log") as serve:
+            pids = [serve.pid, *serve.workers()]
+            peaks: dict[int, int] = {}
+            baseline = {pid: rss_anon_kib(pid) or 0 for pid in pids}
+            stop = threading.Event()
+
+            def sample() -> None:
+                while not stop.is_set():
+                    for pid in [serve.pid, *serve.workers()]:
+                        kib = rss_anon_kib(pid)
+                        if kib is not None:
+                            peaks[pid] = max(peaks.get(pid, 0), kib)
+                    time.sleep(0.02)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            line = (WORDS * 2)[: LINE - 2] + b"\r\n"
+            chunk = line * (CHUNK // LINE)
+            try:
+                with socket.create_connection(("127.0.0.1", smtp_port(config)), 30) as smtp:
+                    assert _reply(smtp)[0] == 220
+                    for command, code in (
+                        (b"EHLO client.test", 250),
+                        (f"MAIL FROM:<{SENDER}> SIZE={BIG_CHUNKS * CHUNK + 200}".encode(), 250),
+                        (b"RCPT TO:<big@ok.test>", 250),
+                        (b"DATA", 354),
+                    ):
+                        smtp.sendall(command + b"\r\n")
+                        got = _reply(smtp)
+                        assert got[0] == code, got
+                    smtp.sendall(f"From: {SENDER}\r\nSubject: big\r\n\r\n".encode())
+                    for _ in range(BIG_CHUNKS):
+                        smtp.sendall(chunk)
+                    smtp.sendall(b".\r\n")
+                    final = _reply(smtp)
+                    assert final[0] == 250, final
+                    smtp.sendall(b"QUIT\r\n")
+            finally:
+                stop.set()
+                sampler.join()
+    growth = {pid: peak - baseline.get(pid, peak) for pid, peak in peaks.items()}
+    print(f"\n100 MB over SMTP: RssAnon growth by pid (KiB): {growth} (core {serve.pid})")
+    assert growth[serve.pid] < GROWTH_LIMIT_KIB, growth
+    assert all(kib < GROWTH_LIMIT_KIB for kib in growth.values()), growth
