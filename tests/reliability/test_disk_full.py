@@ -168,10 +168,5 @@ def test_extra_copies_only_where_a_possible_duplicate_was_logged(run: Run) -> No
     assert not run.audit.unexplained_duplicates(run.logged), run.audit.duplicates
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="QueueService.run (the promoter) lets StorageUnavailable from promote_due end its "
-    "task; serve's SIGTERM path re-raises it (exit 1) (report to the lead)",
-)
 def test_serve_still_stops_cleanly_after_the_disk_was_full(run: Run) -> None:
     assert run.exit_code == 0

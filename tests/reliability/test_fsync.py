@@ -193,12 +193,6 @@ def test_workers_ride_out_a_storage_fault(run: Run) -> None:
     assert not run.workers_restarted
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="QueueService.run (the promoter) lets StorageUnavailable from promote_due end its "
-    "task: deferred mail is not promoted again until a restart, and serve's SIGTERM path "
-    "re-raises it on `await promoter` (exit 1 with a traceback) (report to the lead)",
-)
 def test_serve_still_stops_cleanly_after_a_storage_fault(run: Run) -> None:
     assert run.exit_code == 0
 

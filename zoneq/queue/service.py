@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from zoneq.config import Config
-from zoneq.errors import LeaseError, NotFound
+from zoneq.errors import LeaseError, NotFound, StorageUnavailable
 from zoneq.protocol.dsn import Action
 from zoneq.protocol.ids import id_time_ms
 from zoneq.protocol.retry import RetrySchedule
@@ -506,7 +506,12 @@ class QueueService:
     async def run(self, stop: asyncio.Event, interval_s: float = 1.0) -> None:
         """Promote due recipients until ``stop`` is set."""
         while not stop.is_set():
-            await self.promote_due()
+            try:
+                await self.promote_due()
+            except StorageUnavailable as exc:
+                # The store heals itself (maintenance reopens it); deferred mail must still
+                # come due afterwards, so the loop outlives the fault.
+                log.warning("due recipients not promoted, queue storage unavailable: %s", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)
 
