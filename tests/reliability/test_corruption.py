@@ -140,11 +140,6 @@ def test_the_rest_is_delivered_once_and_the_bad_record_is_kept(run: Run) -> None
     assert run.state.quarantined == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="nothing reports store.quarantined: the store lists the record in memory and the "
-    "core never logs it (report to the lead)",
-)
 def test_the_quarantined_record_is_reported_in_the_log(run: Run) -> None:
     assert "quarantine" in run.log.lower() and run.victim in run.log, run.log[-2000:]
 

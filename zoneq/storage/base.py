@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -41,6 +42,8 @@ FAMILY_STATE: Final = {
 }
 STATE_FAMILY: Final = {v: k for k, v in FAMILY_STATE.items()}
 READY_STATE: Final = State.READY.value
+
+log = logging.getLogger("zoneq.storage")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -260,6 +263,9 @@ class StoreBase:
     def _quarantine(self, error: StorageCorruption) -> None:
         if all(q.key != error.key for q in self.quarantined):
             self.quarantined.append(error)
+            # Once per record: the operator must hear of it (the record stays on disk for
+            # inspection; the rest of the queue goes on without it).
+            log.error("quarantined a corrupt queue record: %s", error)
 
     def _event_op(self, event: Event) -> Op:
         return self._event_record_op(event.time_ms, event.to_record())
