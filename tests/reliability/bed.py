@@ -80,12 +80,13 @@ def mail_bed(
     *sink_options: str,
     port: int | None = None,
     remotes: Mapping[str, str] | None = None,
+    backlog: int = 16,
 ) -> Iterator[Bed]:
     """smtp-sink (with ``sink_options``) as the MX of ok.test and src.test; each domain of
     ``remotes`` gets an MX record pointing at its address (on the same port), or at the
     sink's for :data:`SINK`."""
     sink_ip = loopback_ip()
-    with run_smtp_sink(*sink_options, host=sink_ip, port=port) as sink:
+    with run_smtp_sink(*sink_options, host=sink_ip, port=port, backlog=backlog) as sink:
         records = []
         hosts = {"ok.test": sink_ip, "src.test": sink_ip, **(remotes or {})}
         for n, (domain, ip) in enumerate(hosts.items()):

@@ -111,11 +111,12 @@ def _wait_listening(host: str, port: int, proc: subprocess.Popen[bytes], timeout
 
 @contextlib.contextmanager
 def run_smtp_sink(
-    *options: str, host: str | None = None, port: int | None = None
+    *options: str, host: str | None = None, port: int | None = None, backlog: int = 16
 ) -> Iterator[Sink]:
     """Start smtp-sink with ``options`` (e.g. ``"-r", "RCPT"``); yield where it listens.
     ``port``: this one (several MX hosts on one port, as zoneq's ``mx_port`` needs), else a
-    free one."""
+    free one.  ``backlog``: its listen queue; benchmarks need a long one, or a burst of
+    connections is refused and the sender backs off from a host that is merely busy."""
     binary = smtp_sink_binary()
     host = host or f"127.0.0.{random.randint(2, 250)}"
     dump_dir = Path(tempfile.mkdtemp(prefix="zoneq-sink-"))
@@ -129,8 +130,9 @@ def run_smtp_sink(
             port = _free_port(host) if port is None else port
             address = f"{host}:{port}"
             with log.open("ab") as stderr:
+                dump = ["-d", f"{dump_dir}/msg."]
                 proc = subprocess.Popen(
-                    [str(binary), *privileges, "-d", f"{dump_dir}/msg.", *options, address, "16"],
+                    [str(binary), *privileges, *dump, *options, address, str(backlog)],
                     env=env,
                     stdout=subprocess.DEVNULL,
                     stderr=stderr,
