@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 from email import message_from_bytes, policy
+from email.parser import BytesHeaderParser
 from typing import Any
 
 import pytest
@@ -180,10 +181,28 @@ async def test_raw_upload_with_envelope_in_the_query(store: QueueStore) -> None:
         status, body = await raw(api, RAW, "?from=bounce@src.test&to=x@ok.test&to=y@ok.test")
         assert status == 201, body
         assert body["recipients"] == ["x@ok.test", "y@ok.test"]
-        assert source_of(store, body["id"]) == RAW
+        stored = source_of(store, body["id"])
+        # RFC 5322 3.6 wants a Date and a Message-ID; a submission server adds what is
+        # missing (RFC 6409 section 8), on top, and leaves the rest as uploaded.
+        added, _, rest = stored.partition(b"From: Alice")
+        assert b"From: Alice" + rest == RAW
+        fields = BytesHeaderParser(policy=policy.default).parsebytes(stored)
+        assert fields["Date"].datetime is not None
+        assert str(fields["Message-ID"]).endswith("@mx.zoneq.test>")
+        assert added.count(b"\r\n") == 2
         meta = store.message(parse_id(body["id"]))
         assert meta.sender == "bounce@src.test"
         assert meta.headers["Subject"] == "raw"
+        assert meta.headers["Message-ID"] == str(fields["Message-ID"])
+
+
+@async_test
+async def test_raw_upload_keeps_its_own_date_and_message_id(store: QueueStore) -> None:
+    text = b"Date: Sat, 21 Nov 2026 10:00:00 +0000\r\nMessage-ID: <own@src.test>\r\n" + RAW
+    async with api_running(store) as api:
+        status, body = await raw(api, text, "?from=bounce@src.test&to=x@ok.test")
+        assert status == 201, body
+        assert source_of(store, body["id"]) == text
 
 
 @async_test

@@ -20,10 +20,11 @@ import contextlib
 import re
 from collections.abc import AsyncIterable, Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from email import policy
 from email.message import Message
 from email.parser import BytesHeaderParser
-from email.utils import getaddresses
+from email.utils import format_datetime, getaddresses, make_msgid
 from typing import Final
 
 from zoneq.config import Config
@@ -125,19 +126,31 @@ def _without_bcc(section: bytes) -> bytes:
     return b"".join(kept)
 
 
-def _read_header(first: bytes, *, strip_bcc: bool) -> _Header:
+def _read_header(first: bytes, *, strip_bcc: bool, now_ms: int, hostname: str) -> _Header:
     end = _header_end(first)
     section = first if end < 0 else first[:end]
     fields = BytesHeaderParser(policy=policy.default).parsebytes(section)
+    text = first
+    if strip_bcc and end >= 0:
+        text = _without_bcc(first[:end]) + first[end:]
+    # RFC 5322 section 3.6 requires a Date and asks for a Message-ID; RFC 6409 section 8.2
+    # and 8.3 let a submission server add them (Postfix's cleanup does the same).  Added on
+    # top of the header section, so they never land in a later chunk.
+    missing = b""
+    if fields.get("Date") is None:
+        date = format_datetime(datetime.fromtimestamp(now_ms / 1000, tz=UTC))
+        missing += f"Date: {date}\r\n".encode()
+        fields["Date"] = date
+    if fields.get("Message-ID") is None:
+        message_id = make_msgid(domain=hostname)
+        missing += f"Message-ID: {message_id}\r\n".encode()
+        fields["Message-ID"] = message_id
     browse = {}
     for name in _BROWSED:
         value = fields.get(name)
         if value is not None:
             browse[name] = str(value)[:_MAX_BROWSED_VALUE]
-    text = first
-    if strip_bcc and end >= 0:
-        text = _without_bcc(first[:end]) + first[end:]
-    return _Header(fields, text, browse)
+    return _Header(fields, missing + text, browse)
 
 
 def _addresses(fields: Message, names: Iterable[str]) -> list[str]:
@@ -204,6 +217,10 @@ class Intake:
         zones = tuple(dict.fromkeys(r.zone for r in recipients))
         return Receipt(msg_id, meta.size, tuple(r.address for r in recipients), zones)
 
+    def _read_header(self, first: bytes, envelope: Envelope | None, now: int) -> _Header:
+        hostname = self.config.server.resolved_hostname()
+        return _read_header(first, strip_bcc=envelope is None, now_ms=now, hostname=hostname)
+
     async def _stream(
         self,
         msg_id: int,
@@ -227,7 +244,7 @@ class Intake:
                 piece = bytes(buffer[:step])
                 del buffer[:step]
                 if header is None:
-                    header = _read_header(piece, strip_bcc=envelope is None)
+                    header = self._read_header(piece, envelope, now)
                     piece = header.text
                 eight_bit = eight_bit or not piece.isascii()
                 await self.store.write_chunk(msg_id, index, piece)
@@ -237,7 +254,7 @@ class Intake:
         if header is None:
             if tail is None:
                 raise Unacceptable("empty message")
-            header = _read_header(tail, strip_bcc=envelope is None)
+            header = self._read_header(tail, envelope, now)
             tail = header.text
         if tail is not None:
             eight_bit = eight_bit or not tail.isascii()
