@@ -12,6 +12,7 @@ from zoneq.api import command as api_command
 from zoneq.config import check_config, load_config
 from zoneq.delivery import worker
 from zoneq.errors import ConfigError, ListenError, StoreLocked
+from zoneq.export import command as export_command
 from zoneq.receiver import hash_password
 
 
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_cmd_check_config)
 
     api_command.register(sub)  # zoneq queue ..., zoneq send
+    export_command.register(sub)
     hash_password.register(sub)  # for receiver.auth_users
     return parser
 
