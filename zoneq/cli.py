@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from zoneq import __version__, runtime
+from zoneq.analytics import command as analytics_command
 from zoneq.api import command as api_command
 from zoneq.config import check_config, load_config
 from zoneq.delivery import worker
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     api_command.register(sub)  # zoneq queue ..., zoneq send
     export_command.register(sub)
+    analytics_command.register(sub)
     hash_password.register(sub)  # for receiver.auth_users
     return parser
 

@@ -1,0 +1,279 @@
+"""The analytics job on a real local Spark session over exports of real events.
+
+Two "nodes" (two QueueStores on disk, driven through their lifecycle) are exported with
+``zoneq export``'s own code; the job reads both together, and every figure of every table
+is checked against ``reference.py``, a plain-Python computation from the same records.
+One Spark session serves the whole module (it takes seconds to start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pyarrow.csv
+import pyarrow.parquet as pq
+import pytest
+
+from tests.analytics import reference
+from tests.export.conftest import ZONES, Traffic
+from tests.support.testbed import missing
+from zoneq.analytics import job, session
+from zoneq.analytics.errors import AnalyticsError
+from zoneq.export.files import Format
+from zoneq.export.run import export_events, export_queue
+from zoneq.export.sources import DirectorySource
+from zoneq.storage.export import event_records, queue_records
+from zoneq.storage.store import QueueStore
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+NOW = 1_700_300_000_000  # the queue export's clock: after every generated event
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        missing("java (PySpark needs Java 17+)")
+    spark = session.start("local[2]")
+    try:
+        yield spark
+    finally:
+        spark.stop()
+
+
+class Exports:
+    """Two nodes' exports in both formats, and the records they were made from."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.events: list[dict[str, Any]] = []
+        self.queue: list[dict[str, Any]] = []
+        self.dirs: dict[Format, list[str]] = {fmt: [] for fmt in Format}
+
+    async def node(self, name: str, seed: int) -> None:
+        store = QueueStore.open(self.root / name / "queue")
+        store.recover()
+        traffic = Traffic(store)
+        traffic.rng.seed(seed)
+        await traffic.day(messages=90, rounds=9)
+        self.events.extend(event_records(store))
+        self.queue.extend(queue_records(store, now_ms=NOW))
+        source = DirectorySource(store)
+        try:
+            for fmt in Format:
+                out = self.root / name / f"export-{fmt.value}"
+                export_events(source, out, fmt, batch=64)
+                export_queue(source, out, fmt, now_ms=NOW)
+                self.dirs[fmt].append(str(out))
+        finally:
+            source.close()
+        await store.close()
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory: pytest.TempPathFactory) -> Exports:
+    made = Exports(tmp_path_factory.mktemp("nodes"))
+
+    async def build() -> None:
+        await made.node("node1", 1)
+        await made.node("node2", 2)
+
+    asyncio.run(build())
+    return made
+
+
+@pytest.fixture(scope="module")
+def parquet_report(
+    spark: Any, exports: Exports, tmp_path_factory: pytest.TempPathFactory
+) -> job.Report:
+    out = tmp_path_factory.mktemp("report")
+    # one input as a file:// URI, one as a plain path: both forms are accepted
+    sources = [Path(exports.dirs[Format.PARQUET][0]).as_uri(), exports.dirs[Format.PARQUET][1]]
+    return job.build_report(spark, sources, out)
+
+
+def _same(actual: list[dict[str, Any]], expected: list[dict[str, Any]], table: str) -> None:
+    assert len(actual) == len(expected), table
+    for got, want in zip(actual, expected, strict=True):
+        assert set(got) == set(want), table
+        for key, value in want.items():
+            if isinstance(value, float):
+                assert got[key] == pytest.approx(value, rel=1e-12), (table, key, want)
+            else:
+                assert got[key] == value, (table, key, want)
+
+
+def test_every_figure_matches_a_plain_python_computation(
+    parquet_report: job.Report, exports: Exports
+) -> None:
+    expected = reference.all_tables(exports.events, exports.queue)
+    assert set(parquet_report.tables) == set(expected)
+    for name, rows in expected.items():
+        assert rows, f"the generated traffic leaves table {name} empty: it tests nothing"
+        _same(parquet_report.tables[name], rows, name)
+    assert parquet_report.events == len(exports.events)
+    assert parquet_report.queued == len(exports.queue)
+    # both nodes' zones are there, and the traffic had every outcome the tables split by
+    assert {r["zone"] for r in parquet_report.tables["zones"]} == set(ZONES)
+    kinds = {e["kind"] for e in exports.events}
+    assert {"accepted", "delivered", "deferred", "bounced", "expired", "dropped"} <= kinds
+
+
+def test_tables_are_written_as_parquet_and_csv(parquet_report: job.Report) -> None:
+    out = parquet_report.html.parent
+    for name, rows in parquet_report.tables.items():
+        assert pq.read_table(out / "parquet" / f"{name}.parquet").to_pylist() == rows
+        csv = pyarrow.csv.read_csv(out / "csv" / f"{name}.csv")
+        assert csv.num_rows == len(rows) and csv.column_names == list(rows[0])
+
+
+class _Page(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.zones: list[str] = []
+        self.charts: dict[str, bytes] = {}
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        values = dict(attrs)
+        if tag == "section" and values.get("data-zone") is not None:
+            self.zones.append(str(values["data-zone"]))
+        if tag == "img":
+            src = str(values["src"])
+            assert src.startswith("data:image/png;base64,"), "charts are embedded"
+            self.charts[str(values["data-chart"])] = base64.b64decode(src.split(",", 1)[1])
+
+
+def test_html_report_holds_each_zone_and_chart(parquet_report: job.Report) -> None:
+    page = _Page()
+    page.feed(parquet_report.html.read_text(encoding="utf-8"))
+    page.close()
+    assert sorted(page.zones) == sorted(ZONES)
+    expected = {"outcomes", "latency", "queue-age"}
+    expected |= {f"hourly:{zone}" for zone in ZONES} | {f"domains:{zone}" for zone in ZONES}
+    assert set(page.charts) == expected
+    for png in page.charts.values():
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+    assert 'src="http' not in parquet_report.html.read_text()  # self-contained
+
+
+def test_json_lines_exports_give_the_same_tables(
+    spark: Any, exports: Exports, parquet_report: job.Report, tmp_path: Path
+) -> None:
+    report = job.build_report(spark, exports.dirs[Format.JSONL], tmp_path / "out")
+    assert report.tables == parquet_report.tables
+
+
+def _copy_with_version(source: str, target: Path, version: int) -> Path:
+    shutil.copytree(source, target)
+    for path in (target / "events").rglob("part-*.jsonl"):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps(r | {"v": version}) + "\n" for r in rows))
+    return target
+
+
+def test_another_schema_version_is_refused_clearly(
+    spark: Any, exports: Exports, tmp_path: Path
+) -> None:
+    newer = _copy_with_version(exports.dirs[Format.JSONL][0], tmp_path / "v2", 2)
+    with pytest.raises(AnalyticsError, match=r"schema version 2; this zoneq reads version 1"):
+        job.build_report(spark, [str(newer)], tmp_path / "out")
+
+
+def test_a_damaged_file_is_one_clear_spark_error(
+    spark: Any, exports: Exports, tmp_path: Path
+) -> None:
+    damaged = _copy_with_version(exports.dirs[Format.JSONL][0], tmp_path / "bad", 1)
+    part = next((damaged / "events").rglob("part-*.jsonl"))
+    part.write_text(part.read_text() + "{not json\n")
+    with pytest.raises(AnalyticsError, match=r"^Spark: ") as caught:
+        job.build_report(spark, [str(damaged)], tmp_path / "out")
+    assert "\n" not in str(caught.value) and "\tat " not in str(caught.value)
+
+
+# --- the command and the spark-submit script ------------------------------------------------
+
+
+def run(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False, env=env
+    )
+
+
+def test_command_refuses_a_missing_path(tmp_path: Path) -> None:
+    done = run(
+        [
+            sys.executable,
+            "-m",
+            "zoneq",
+            "analytics",
+            str(tmp_path / "nope"),
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
+    assert done.returncode == 1
+    assert "no such export directory" in done.stderr
+    assert "Traceback" not in done.stderr and "Exception" not in done.stderr
+
+
+def test_command_says_when_there_is_no_java(exports: Exports, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
+    env["PATH"] = str(tmp_path)  # a PATH without java (the interpreter is given by path)
+    done = run(
+        [
+            sys.executable,
+            "-m",
+            "zoneq",
+            "analytics",
+            exports.dirs[Format.PARQUET][0],
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        env=env,
+    )
+    assert done.returncode == 1
+    assert "no Java found" in done.stderr and "Java 17" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_spark_submit_runs_the_same_job(exports: Exports, tmp_path: Path) -> None:
+    """tools/analytics/zoneq_report.py under PySpark's own spark-submit, on loopback."""
+    import pyspark
+
+    submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
+    if not submit.exists():
+        missing(f"spark-submit (not in {submit.parent})")
+    out = tmp_path / "out"
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
+    done = run(
+        [
+            str(submit),
+            "--master",
+            "local[1]",
+            "--conf",
+            "spark.driver.host=127.0.0.1",
+            "--conf",
+            "spark.driver.bindAddress=127.0.0.1",
+            "--conf",
+            "spark.ui.enabled=false",
+            str(ROOT / "tools" / "analytics" / "zoneq_report.py"),
+            *exports.dirs[Format.PARQUET],
+            "--out",
+            str(out),
+        ],
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "report.html").is_file()
+    assert pq.read_table(out / "parquet" / "zones.parquet").num_rows == len(ZONES)

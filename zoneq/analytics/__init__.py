@@ -1,0 +1,1 @@
+"""zoneq analytics: the PySpark job that turns event exports into per-zone reports."""

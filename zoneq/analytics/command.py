@@ -1,0 +1,80 @@
+"""``zoneq analytics``: the PySpark job over one or more exports (see ``job.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from zoneq.analytics.errors import AnalyticsError
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = sub.add_parser(
+        "analytics",
+        help="per-zone analytics (PySpark) over event exports: tables and an HTML report",
+        description=(
+            "Read one or more export directories (plain paths or file://, hdfs://, s3a:// "
+            "URIs; several nodes' exports together) and write per-zone tables as Parquet "
+            "and CSV, and a self-contained HTML report, into --out."
+        ),
+    )
+    parser.add_argument("inputs", nargs="+", help="export directories written by zoneq export")
+    parser.add_argument("--out", type=Path, required=True, help="report directory (local)")
+    parser.add_argument(
+        "--master",
+        default=None,
+        help="Spark master (default: local[*] on loopback, or spark-submit's master)",
+    )
+    parser.add_argument(
+        "--input-format",
+        choices=["auto", "parquet", "jsonl"],
+        default="auto",
+        help="format of the exports (auto: from their watermark files, else parquet)",
+    )
+    parser.add_argument(
+        "--driver-memory", default=None, help="Spark driver memory (default: half the RAM)"
+    )
+    parser.set_defaults(func=_cmd_analytics)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for ``spark-submit tools/analytics/zoneq_report.py`` (same arguments)."""
+    parser = argparse.ArgumentParser(prog="zoneq_report")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(["analytics", *(sys.argv[1:] if argv is None else argv)])
+    code: int = args.func(args)
+    return code
+
+
+def _cmd_analytics(args: argparse.Namespace) -> int:
+    try:
+        # Imported here: pyspark is an optional extra, and loading it costs every other
+        # zoneq command time for nothing.
+        from zoneq.analytics import job  # noqa: PLC0415
+    except ImportError as exc:
+        print(
+            f"zoneq analytics: needs the analytics extra (pip install 'zoneq[analytics]'): {exc}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        done = job.run(
+            args.inputs,
+            args.out,
+            master=args.master,
+            input_format=args.input_format,
+            driver_memory=args.driver_memory or job.default_driver_memory(),
+        )
+    except AnalyticsError as exc:
+        print(f"zoneq analytics: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"zoneq analytics: cannot write the report: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"{done.events} events, {done.queued} queued recipients -> {done.html} "
+        f"({len(done.tables)} tables, {done.seconds:.1f} s)"
+    )
+    return 0

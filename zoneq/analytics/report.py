@@ -1,0 +1,222 @@
+"""The HTML report: one self-contained file, tables and PNG charts (base64) per zone.
+
+People read charts faster than tables (issue 6), so every zone gets its hourly volumes and
+its worst destination domains as charts, and the whole export gets outcome, latency and
+queue-age charts across zones.  The charts are drawn with matplotlib's Agg backend (no
+display needed) and embedded as ``data:`` URIs, so the file can be mailed or archived
+alone.  This module does not touch Spark: it renders rows the job has already collected.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import logging
+from collections.abc import Sequence
+from typing import Any, Final
+
+import matplotlib
+
+matplotlib.use("Agg")  # before pyplot: no display on servers and in CI
+logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its INFO lines are not ours
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+Rows = list[dict[str, Any]]
+
+MAX_ZONE_CHARTS: Final = 25  # zones with their own charts, the busiest first
+MAX_TABLE_ROWS: Final = 50  # rows shown per zone and table (the CSV files have them all)
+TOP_DOMAINS_CHARTED: Final = 10
+OUTCOME_COLOURS: Final = {
+    "accepted": "#4c72b0",
+    "delivered": "#55a868",
+    "deferred": "#dd8452",
+    "bounced": "#c44e52",
+    "expired": "#8172b3",
+    "dropped": "#937860",
+    "delayed": "#ccb974",
+}
+DEFINITIONS: Final = """
+<ul class="defs">
+<li><b>attempts</b>: events of kind delivered, deferred, bounced or expired (one per SMTP
+attempt).</li>
+<li><b>deferral rate</b> = deferred / attempts; <b>bounce rate</b> = (bounced + expired) /
+(delivered + bounced + expired).</li>
+<li><b>latency</b>: delivered time minus queued-at time; percentiles are nearest-rank.</li>
+<li><b>queue age</b>: now minus queued-at, at the time of each node's last queue export.</li>
+<li>Times are UTC.</li>
+</ul>
+"""
+STYLE: Final = """
+body { font-family: sans-serif; margin: 2em; color: #222; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.85em; }
+th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: right; }
+th { background: #f0f0f0; }
+td.text { text-align: left; }
+section.zone { border-top: 2px solid #888; margin-top: 2em; }
+img { max-width: 100%; }
+"""
+
+
+def chart_png(fig: Figure) -> str:
+    """The figure as a base64 PNG (and the figure closed: pyplot keeps them otherwise)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _img(chart_id: str, title: str, fig: Figure) -> str:
+    return (
+        f'<figure><img data-chart="{html.escape(chart_id)}" alt="{html.escape(title)}" '
+        f'src="data:image/png;base64,{chart_png(fig)}"><figcaption>{html.escape(title)}'
+        "</figcaption></figure>"
+    )
+
+
+def _outcomes_chart(zones: Rows) -> Figure:
+    fig, ax = plt.subplots(figsize=(8, max(2.0, 0.4 * len(zones) + 1)))
+    names = [row["zone"] for row in zones]
+    left = [0.0] * len(zones)
+    for kind in ("delivered", "deferred", "bounced", "expired", "dropped"):
+        values = [float(row[kind]) for row in zones]
+        ax.barh(names, values, left=left, label=kind, color=OUTCOME_COLOURS[kind])
+        left = [a + b for a, b in zip(left, values, strict=True)]
+    ax.set_xlabel("events")
+    ax.legend(loc="lower right", fontsize="small")
+    return fig
+
+
+def _latency_chart(delivery: Rows) -> Figure:
+    fig, ax = plt.subplots(figsize=(8, max(2.0, 0.5 * len(delivery) + 1)))
+    names = [row["zone"] for row in delivery]
+    height = 0.25
+    for i, point in enumerate(("p50", "p95", "p99")):
+        values = [(row[f"latency_{point}_ms"] or 0) / 1000 for row in delivery]
+        ax.barh([y + i * height for y in range(len(names))], values, height, label=point)
+    ax.set_yticks([y + height for y in range(len(names))], names)
+    ax.set_xlabel("seconds from queued to delivered")
+    ax.legend(fontsize="small")
+    return fig
+
+
+def _queue_chart(queue_age: Rows) -> Figure:
+    fig, ax = plt.subplots(figsize=(8, max(2.0, 0.4 * len(queue_age) + 1)))
+    labels = [f"{row['zone']} ({row['state']})" for row in queue_age]
+    ax.barh(labels, [row["age_max_ms"] / 3_600_000 for row in queue_age], label="oldest")
+    ax.barh(labels, [(row["age_p50_ms"] or 0) / 3_600_000 for row in queue_age], label="median")
+    ax.set_xlabel("hours waiting at export time")
+    ax.legend(fontsize="small")
+    return fig
+
+
+def _hourly_chart(rows: Rows) -> Figure:
+    fig, ax = plt.subplots(figsize=(8, 2.8))
+    hours = sorted({row["hour"] for row in rows})
+    positions = range(len(hours))
+    for kind, colour in OUTCOME_COLOURS.items():
+        by_hour = {row["hour"]: row["recipients"] for row in rows if row["outcome"] == kind}
+        if by_hour:
+            ax.plot(positions, [by_hour.get(h, 0) for h in hours], label=kind, color=colour)
+    ax.set_ylabel("recipients per hour")
+    step = max(1, len(hours) // 12)
+    ax.set_xticks(positions[::step], hours[::step], rotation=45, fontsize="small")
+    ax.legend(fontsize="small", ncol=4)
+    return fig
+
+
+def _domains_chart(rows: Rows) -> Figure:
+    top = rows[:TOP_DOMAINS_CHARTED]
+    fig, ax = plt.subplots(figsize=(8, max(2.0, 0.35 * len(top) + 1)))
+    names = [row["domain"] for row in top]
+    height = 0.4
+    deferral = [row["deferral_rate"] or 0 for row in top]
+    bounce = [row["bounce_rate"] or 0 for row in top]
+    ax.barh([y for y in range(len(names))], deferral, height, label="deferral rate")
+    ax.barh([y + height for y in range(len(names))], bounce, height, label="bounce rate")
+    ax.set_yticks([y + height / 2 for y in range(len(names))], names)
+    ax.set_xlim(0, 1)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def _table(rows: Rows, columns: Sequence[str] | None = None) -> str:
+    if not rows:
+        return "<p><i>none</i></p>"
+    names = list(columns if columns is not None else rows[0].keys())
+    head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
+    body = []
+    for row in rows[:MAX_TABLE_ROWS]:
+        cells = []
+        for name in names:
+            value = row.get(name)
+            css = ' class="text"' if isinstance(value, str) else ""
+            shown = f"{value:.4f}" if isinstance(value, float) else "" if value is None else value
+            cells.append(f"<td{css}>{html.escape(str(shown))}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    more = len(rows) - MAX_TABLE_ROWS
+    note = f"<p>... and {more} more rows in the CSV file.</p>" if more > 0 else ""
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>{note}"
+
+
+def _of(rows: Rows, zone: str) -> Rows:
+    return [{k: v for k, v in row.items() if k != "zone"} for row in rows if row["zone"] == zone]
+
+
+def render(tables: dict[str, Rows], *, inputs: Sequence[str], events: int) -> str:
+    """The whole report as one HTML document."""
+    zones = tables["zones"]
+    parts = [
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>zoneq analytics</title>",
+        f"<style>{STYLE}</style></head><body><h1>zoneq analytics</h1>",
+        f"<p>{events} events from {len(inputs)} export(s): ",
+        html.escape(", ".join(inputs)),
+        "</p>",
+        DEFINITIONS,
+        "<h2>All zones</h2>",
+        _table(zones),
+    ]
+    if zones:
+        parts.append(_img("outcomes", "Outcomes per zone", _outcomes_chart(zones)))
+    if tables["delivery"]:
+        parts.append(_table(tables["delivery"]))
+        parts.append(
+            _img("latency", "Delivery latency per zone", _latency_chart(tables["delivery"]))
+        )
+    if tables["queue_age"]:
+        parts.append("<h3>Queue at export time</h3>" + _table(tables["queue_age"]))
+        parts.append(_img("queue-age", "Queue age per zone", _queue_chart(tables["queue_age"])))
+    busiest = sorted(zones, key=lambda row: (-row["accepted"], row["zone"]))
+    charted = {row["zone"] for row in busiest[:MAX_ZONE_CHARTS]}
+    for row in zones:
+        zone = row["zone"]
+        parts.append(_zone_section(zone, tables, charts=zone in charted))
+    parts.append("</body></html>")
+    return "".join(parts)
+
+
+def _zone_section(zone: str, tables: dict[str, Rows], *, charts: bool) -> str:
+    name = html.escape(zone)
+    parts = [f'<section class="zone" data-zone="{name}"><h2>Zone {name}</h2>']
+    hourly = _of(tables["hourly"], zone)
+    domains = _of(tables["domains"], zone)
+    if charts and hourly:
+        parts.append(_img(f"hourly:{zone}", f"{zone}: volume per hour", _hourly_chart(hourly)))
+    if charts and domains:
+        title = f"{zone}: deferral and bounce rates, busiest domains"
+        parts.append(_img(f"domains:{zone}", title, _domains_chart(domains)))
+    for title, key in (
+        ("Delivery", "delivery"),
+        ("Attempts per delivered recipient", "attempts"),
+        ("By destination domain", "domains"),
+        ("By MX host", "mx"),
+        ("By source address", "sources"),
+        ("Most frequent replies", "replies"),
+        ("Queue by state", "queue_age"),
+        ("Queue by destination domain", "queue_domains"),
+    ):
+        parts.append(f"<h3>{title}</h3>{_table(_of(tables[key], zone))}")
+    parts.append("</section>")
+    return "".join(parts)
