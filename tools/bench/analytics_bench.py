@@ -1,0 +1,292 @@
+"""Benchmark: the full analytics report over 1 M and 10 M events, cold start included.
+
+    python tools/bench/analytics_bench.py                       # 1 M, Parquet and JSON lines
+    python tools/bench/analytics_bench.py --events 1000000 10000000 --formats parquet
+
+For each size an export directory is generated in zoneq export's layout (events/day=/zone=/
+part files, a queue/current file and the watermark), with a realistic mix: 8 zones, 2,000
+destination domains (Zipf-like), 300 MX hosts, 8 source addresses, a week of traffic,
+outcomes in the proportions of a bulk sender, reply texts from a small set.  Then
+``zoneq analytics`` runs as a fresh process (JVM start, Spark session, reading, every table,
+the HTML report) and its wall time is measured.  The generated data is synthetic because
+writing 10 M events through a real store would take longer than the report itself; the
+export and analytics tests cover real events.
+
+Issue 6's goal: the full report for 1 M events in at most 15 s on 2 cores, 10 M in 150 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+from zoneq.export.files import (  # noqa: E402
+    QUEUE_DIR,
+    QUEUE_STEM,
+    Format,
+    part_name,
+    partition_dir,
+    write_rows,
+)
+from zoneq.export.watermark import Watermark, save  # noqa: E402
+from zoneq.protocol.columns import EVENT_COLUMNS, QUEUE_COLUMNS  # noqa: E402
+from zoneq.protocol.ids import COUNTER_BITS, format_id  # noqa: E402
+
+T0 = 1_700_000_000_000
+DAY = 86_400_000
+ZONES = [f"zone-{i}" for i in range(8)]
+KINDS = ["accepted", "delivered", "deferred", "bounced", "expired", "dropped", "delayed"]
+KIND_P = [0.15, 0.55, 0.20, 0.06, 0.01, 0.005, 0.025]
+TEXTS = {
+    "delivered": ["250 2.0.0 Ok: queued as {}", "250 2.6.0 Message accepted"],
+    "deferred": [
+        "451 4.3.0 Try again later",
+        "421 4.7.0 Too many connections from your IP",
+        "450 4.2.1 Mailbox busy",
+        "452 4.3.1 Insufficient system storage",
+    ],
+    "bounced": ["550 5.1.1 No such user", "554 5.7.1 Rejected by policy", "552 5.2.2 Full"],
+    "expired": ["451 4.3.0 Try again later", "421 4.7.0 Too many connections from your IP"],
+    "delayed": ["451 4.3.0 Try again later"],
+}
+ROWS_PER_FILE = 500_000
+
+
+def generate(n: int, directory: Path, fmt: Format, seed: int = 6) -> int:
+    """An export of ``n`` events in ``directory``; its size in bytes."""
+    rng = np.random.default_rng(seed)
+    days = 7
+    time_ms = np.sort(rng.integers(T0, T0 + days * DAY, n))
+    kind_idx = rng.choice(len(KINDS), n, p=KIND_P)
+    zone_idx = rng.integers(0, len(ZONES), n)
+    domain_idx = np.minimum(rng.zipf(1.3, n), 2000) - 1
+    mx_idx = domain_idx % 300
+    source_idx = rng.integers(0, 8, n)
+    attempt = np.where(kind_idx == 0, 0, 1 + rng.poisson(0.4, n))
+    latency = rng.exponential(120_000, n).astype(np.int64)
+    kinds = np.array(KINDS)[kind_idx]
+    codes = {"delivered": 250, "deferred": 451, "bounced": 550, "expired": 451, "delayed": 451}
+    text_choice = rng.integers(0, 4, n)
+    columns = {
+        "v": np.ones(n, np.int32),
+        "id": [format_id((int(t) << COUNTER_BITS) + i % 4096) for i, t in enumerate(time_ms)],
+        "kind": kinds,
+        "time_ms": time_ms,
+        "zone": np.array(ZONES)[zone_idx],
+        "message_id": [
+            format_id(int(t - lat) << COUNTER_BITS) for t, lat in zip(time_ms, latency, strict=True)
+        ],
+        "recipient": np.where(kind_idx == 0, "", "user@d.test"),
+        "domain": np.where(kind_idx == 0, "", np.char.add("d", domain_idx.astype(str))),
+        "queued_at_ms": time_ms - latency,
+        "size": rng.integers(500, 200_000, n),
+        "attempt": attempt.astype(np.int32),
+        "mx": [
+            None if k in (0, 5) else f"mx{m}.test" for k, m in zip(kind_idx, mx_idx, strict=True)
+        ],
+        "source_ip": [f"127.0.1.{s}" for s in source_idx],
+        "code": [codes.get(k) for k in kinds],
+        "enhanced": [
+            None if c is None else f"{c // 100}.0.0" for c in (codes.get(k) for k in kinds)
+        ],
+        "text": [
+            None if k not in TEXTS else TEXTS[k][c % len(TEXTS[k])]
+            for k, c in zip(kinds, text_choice, strict=True)
+        ],
+        "possible_duplicate": np.zeros(n, bool),
+        "recipients": np.where(kind_idx == 0, rng.integers(1, 50, n), 1).astype(np.int32),
+    }
+    schema = pa.schema(
+        [
+            pa.field(
+                name,
+                {
+                    "int32": pa.int32(),
+                    "int64": pa.int64(),
+                    "string": pa.string(),
+                    "bool": pa.bool_(),
+                }[t],
+                nullable,
+            )
+            for name, t, nullable in EVENT_COLUMNS
+        ]
+    )
+    table = pa.Table.from_pydict(columns, schema)
+    day_idx = (time_ms - T0) // DAY
+    run = format_id(0)
+    for day in range(days):
+        for z, zone in enumerate(ZONES):
+            mask = (day_idx == day) & (zone_idx == z)
+            part = table.filter(pa.array(mask))
+            for start in range(0, part.num_rows, ROWS_PER_FILE):
+                chunk = part.slice(start, ROWS_PER_FILE)
+                day_name = time.strftime("%Y-%m-%d", time.gmtime((T0 + day * DAY) / 1000))
+                path = partition_dir(directory, day_name, zone)
+                path = path / part_name(run, chunk.column("id")[0].as_py(), fmt)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                if fmt is Format.PARQUET:
+                    pq.write_table(chunk, path, compression="snappy")
+                else:
+                    write_rows(path, chunk.to_pylist(), EVENT_COLUMNS, fmt)
+    queue_rows = [
+        {
+            "v": 1,
+            "exported_at_ms": T0 + days * DAY,
+            "zone": ZONES[i % len(ZONES)],
+            "state": ["ready", "deferred", "held"][i % 3],
+            "domain": f"d{i % 500}",
+            "message_id": format_id((T0 + i) << COUNTER_BITS),
+            "queued_at_ms": T0 + days * DAY - i * 1000,
+            "attempts": i % 5,
+            "next_attempt_ms": 0,
+            "age_ms": i * 1000,
+            "last_reply": "451 4.3.0 Try again later",
+        }
+        for i in range(min(n // 100, 100_000))
+    ]
+    write_rows(directory / QUEUE_DIR / (QUEUE_STEM + fmt.suffix), queue_rows, QUEUE_COLUMNS, fmt)
+    save(directory, Watermark(fmt, int(time_ms[-1]) << COUNTER_BITS, n))
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+class TreeCpu:
+    """CPU seconds (user + system) of a process and all its descendants, sampled from /proc
+    while they run: the JVM that PySpark starts is never waited for by this process, so
+    getrusage(RUSAGE_CHILDREN) would not count it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.seen: dict[int, float] = {}
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def _stat(self, pid: int) -> list[str] | None:
+        try:
+            text = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        return text[text.rindex(")") + 2 :].split()
+
+    def sample(self) -> None:
+        todo = [self.pid]
+        while todo:
+            pid = todo.pop()
+            fields = self._stat(pid)
+            if fields is None:
+                continue
+            self.seen[pid] = (int(fields[11]) + int(fields[12])) / self.tick
+            with contextlib.suppress(OSError):
+                kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+                todo.extend(int(k) for k in kids)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.seen.values())
+
+
+def run_report(directory: Path, out: Path) -> tuple[float, float, str]:
+    """Wall seconds, CPU seconds (the process and its JVM, user + system) and its summary.
+
+    On a shared machine the wall time depends on the others' load; the CPU time much less,
+    so both are printed (2 cores: a run needs at least CPU / 2 seconds of wall time)."""
+    started = time.monotonic()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "zoneq",
+            "--log-level",
+            "WARNING",
+            "analytics",
+            str(directory),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    cpu = TreeCpu(process.pid)
+    deadline = started + 1800
+    while process.poll() is None and time.monotonic() < deadline:
+        cpu.sample()
+        time.sleep(0.1)
+    if process.poll() is None:
+        process.kill()
+    stdout, stderr = process.communicate()
+    elapsed = time.monotonic() - started
+    if process.returncode != 0:
+        raise SystemExit(f"zoneq analytics failed:\n{stderr[-2000:]}")
+    return elapsed, cpu.seconds, stdout.strip()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--events", type=int, nargs="+", default=[1_000_000])
+    parser.add_argument("--formats", nargs="+", default=["parquet", "jsonl"])
+    parser.add_argument("--dir", type=Path, default=None, help="where to generate (default: tmp)")
+    parser.add_argument("--keep", action="store_true", help="keep the generated exports")
+    args = parser.parse_args()
+    base = args.dir or Path(tempfile.mkdtemp(prefix="zoneq-analytics-bench-"))
+    load = os.getloadavg()
+    print(
+        f"cores: {os.cpu_count()}, load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
+    results = []
+    try:
+        for n in args.events:
+            for name in args.formats:
+                fmt = Format(name)
+                directory = base / f"export-{n}-{name}"
+                shutil.rmtree(directory, ignore_errors=True)
+                t = time.monotonic()
+                size = generate(n, directory, fmt)
+                generated = time.monotonic() - t
+                seconds, cpu, said = run_report(directory, base / f"report-{n}-{name}")
+                load = os.getloadavg()[0]
+                results.append((n, name, size, generated, seconds, cpu, load))
+                print(f"  {n:>10,} {name:8} report {seconds:6.1f} s  ({said})", flush=True)
+                if not args.keep:
+                    shutil.rmtree(directory, ignore_errors=True)
+    finally:
+        if not args.keep and args.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    print()
+    print(
+        f"{'events':>12} {'format':8} {'export MB':>10} {'generate s':>11} {'report s':>9} "
+        f"{'cpu s':>7} {'load 1m':>7}"
+    )
+    for n, name, size, generated, seconds, cpu, load in results:
+        print(
+            f"{n:>12,} {name:8} {size / 1e6:>10.1f} {generated:>11.1f} {seconds:>9.1f} "
+            f"{cpu:>7.1f} {load:>7.2f}"
+        )
+    keys = ("events", "format", "report_s", "cpu_s")
+    print(
+        json.dumps(
+            [
+                dict(zip(keys, (r[0], r[1], round(r[4], 2), round(r[5], 2)), strict=True))
+                for r in results
+            ]
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
