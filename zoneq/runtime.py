@@ -33,6 +33,7 @@ from zoneq.config import Config
 from zoneq.errors import ListenError, StorageUnavailable
 from zoneq.ipc.core import QueueHandler
 from zoneq.ipc.server import IpcServer
+from zoneq.plugin import PluginHost
 from zoneq.queue.service import QueueService
 from zoneq.receiver.server import SmtpReceiver
 from zoneq.storage.records import State
@@ -109,7 +110,11 @@ async def serve(config: Config, config_path: Path | None = None) -> None:
         # Unwound in reverse on the way out, so the receiver (started last of the servers
         # that take mail) is the first thing stopped: no new mail while the rest winds down.
         running.push_async_callback(store.close)
-        service = QueueService.from_config(store, config, clock=now_ms)
+        # The core's plugin host hears every committed outcome (the outcome hooks); the
+        # workers load their own for the send-time hooks.
+        plugins = PluginHost.from_config(config)
+        running.push_async_callback(plugins.close)
+        service = QueueService.from_config(store, config, clock=now_ms, plugins=plugins)
         server = IpcServer(Path(config.server.ipc_socket), QueueHandler(service, set(config.zones)))
         await server.start()
         running.push_async_callback(server.close)

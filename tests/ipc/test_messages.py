@@ -72,6 +72,7 @@ jobs = st.builds(
     smtputf8=st.booleans(),
     body_8bit=st.booleans(),
     recipients=st.lists(recipients, max_size=4).map(tuple),
+    rested=st.lists(text, max_size=3).map(tuple),
 )
 reports = st.builds(
     RecipientReport,
@@ -316,6 +317,22 @@ def test_a_job_carries_an_inline_body_or_none() -> None:
     assert Job.from_wire(wire, "job").body is None
     wire["body"] = "not bytes"
     with pytest.raises(ProtocolError, match=r"job\.body"):
+        Job.from_wire(wire, "job")
+
+
+def test_a_job_names_the_source_addresses_resting_for_its_domain() -> None:
+    from zoneq.ipc.messages import Job
+
+    job = Job(msg_id=1, sender="", size=3, chunks=1, domain="d", rested=("192.0.2.1",))
+    wire = job.to_wire()
+    assert wire["rested"] == ["192.0.2.1"]
+    assert Job.from_wire(wire, "job") == job
+    del wire["rested"]  # a core of the previous release: none resting
+    assert Job.from_wire(wire, "job").rested == ()
+    wire["rested"] = None
+    assert Job.from_wire(wire, "job").rested == ()
+    wire["rested"] = [1]
+    with pytest.raises(ProtocolError, match=r"job\.rested\[0\]: expected str"):
         Job.from_wire(wire, "job")
 
 

@@ -105,6 +105,7 @@ def _job(job: queue.Job) -> Job:
         ret=job.ret,
         smtputf8=job.smtputf8,
         body_8bit=job.body_8bit,
+        rested=tuple(sorted(job.rested)),
         recipients=tuple(
             JobRecipient(
                 token=r.token,

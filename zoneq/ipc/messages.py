@@ -30,6 +30,7 @@ waiting, so the reply is never held up by an empty queue (a worker that gets no 
 with a waiting ``LeaseRequest``) and a worker told to stop still has its report answered
 at once.  Both fields are optional on the wire: a core that does not know ``lease_jobs``
 ignores it and answers without ``jobs``, which a worker takes as "no job ready".
+Likewise ``Job.rested`` (source addresses resting for the job's domain): absent means none.
 
 Bodies are maps with the field names of the dataclasses, so a capture is readable without
 this module.  Decoding validates every field's type and names the field (as a path such as
@@ -199,6 +200,13 @@ def _str_tuple(body: _Body, name: str, where: str) -> tuple[str, ...]:
         if not isinstance(item, str):
             raise _fail(where, f"{name}[{index}]", "str", item)
     return tuple(items)  # type: ignore[arg-type]  # every item checked to be str above
+
+
+def _opt_str_tuple(body: _Body, name: str, where: str) -> tuple[str, ...]:
+    """An optional array of strings: absent or None is empty (older peers do not send it)."""
+    if body.get(name) is None:
+        return ()
+    return _str_tuple(body, name, where)
 
 
 def _int_tuple(body: _Body, name: str, where: str) -> tuple[int, ...]:
@@ -441,9 +449,14 @@ class Job:
     body_8bit: bool = False
     recipients: tuple[JobRecipient, ...] = ()
     body: bytes | None = None  # the whole body, when it is a single chunk
+    # Source addresses resting for this domain after a "blocked" reply (queue/feedback.py):
+    # the worker binds another address of the pool.  Optional on the wire: a core that does
+    # not send it means none are resting.
+    rested: tuple[str, ...] = ()
 
     def to_wire(self) -> dict[str, object]:
         return {
+            "rested": list(self.rested),
             "body": self.body,
             "msg_id": self.msg_id,
             "sender": self.sender,
@@ -471,6 +484,7 @@ class Job:
             body_8bit=_bool(body, "body_8bit", where),
             recipients=_nested(body, "recipients", where, JobRecipient.from_wire),
             body=_opt_bytes(body, "body", where),
+            rested=_opt_str_tuple(body, "rested", where),
         )
 
 
