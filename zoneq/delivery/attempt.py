@@ -12,15 +12,30 @@ a 4xx); recipients left with NEXT_HOST (the host would not talk, the connection 
 on to the next address.  Whatever is still unsettled after the last address is deferred
 with the last reason seen.  A connection that could not be made marks its address dead for
 a while, so the other delivery loops skip it too; one that worked marks it alive.
+
+A zone with a smarthost has no MX walk: its one host is the relay (host, port, TLS and
+AUTH from the config).  Each attempt binds one source address of the zone's pool
+(``pool.py``), skipping the ones the core says are resting for the domain, and gives that
+address's EHLO name; the address goes back in every report (``source_ip``), which is how
+the core learns which address a "blocked" reply was about.
+
+Plugins (issue 5): ``sender:headers`` is asked once per attempt, before any connection, and
+the fields it adds go in front of the copy sent to every host of the walk (``headers.py``,
+which also removes the routing header); ``sender:connect`` is asked before each host.
+Either may refuse with a reply of its own (a 4xx defers, a 5xx bounces).  A plugin that
+fails defers the recipients with 451 4.3.0 and a logged error: nothing is lost.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from zoneq.delivery.headers import OutgoingBody
 from zoneq.delivery.hostcache import DeadHostCache
-from zoneq.delivery.mx import MxKind, MxResolver, MxResult
+from zoneq.delivery.mx import MxHost, MxKind, MxResolver, MxResult
+from zoneq.delivery.pool import Source, SourcePool
 from zoneq.delivery.results import RecipientResult, TransactionResult
 from zoneq.delivery.transport import (
     RFC5321_TIMEOUTS,
@@ -33,8 +48,27 @@ from zoneq.delivery.transport import (
     deliver,
 )
 from zoneq.ipc.messages import Job, Outcome, RecipientReport
+from zoneq.plugin import ConnectArgs, Hook, PluginFailure, PluginHost, SenderHeadersArgs
 from zoneq.protocol.dsn import Notify, Ret
-from zoneq.protocol.replies import Verdict
+from zoneq.protocol.ids import format_id
+from zoneq.protocol.replies import EnhancedStatus, Reply, Verdict
+from zoneq.protocol.reply_rules import ReplyRule, first_match
+
+log = logging.getLogger("zoneq.delivery")
+
+
+@dataclass(frozen=True, slots=True)
+class Relay:
+    """A zone's smarthost: every recipient goes there, whatever its domain."""
+
+    host: str
+    """A host name, or an address (the config's ``[192.0.2.25]`` without brackets)."""
+    port: int
+    tls: TlsPolicy
+    implicit_tls: bool = False
+    """TLS from the first byte (port 465, RFC 8314 section 3.3) instead of STARTTLS."""
+    auth: tuple[str, str] | None = None
+    """(user, password) for AUTH (RFC 4954), sent only over TLS unless ``tls`` is NONE."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,12 +80,24 @@ class Settings:
     ipv6: bool = True
     tls: TlsPolicy = TlsPolicy.OPPORTUNISTIC
     timeouts: Timeouts = RFC5321_TIMEOUTS
-    source_address: str | None = None
     # Per destination domain, overriding ``tls`` (RFC 3207 leaves the choice to the client).
     tls_policy: Mapping[str, TlsPolicy] = field(default_factory=dict)
+    # The zone's source addresses; None (or an empty pool): the system picks, ``helo_name``.
+    sources: SourcePool | None = None
+    relay: Relay | None = None
+    zone: str = ""
+    zone_header: str = "X-Sending-Zone"  # removed from the copy that goes out (issue 5)
+    rules: tuple[ReplyRule, ...] = ()  # reply rules (config ``[reply_rules]``)
 
     def tls_for(self, domain: str) -> TlsPolicy:
+        if self.relay is not None:
+            return self.relay.tls
         return self.tls_policy.get(domain.lower(), self.tls)
+
+    def source_for(self, resting: Sequence[str]) -> Source:
+        if self.sources is None:
+            return Source(None, self.helo_name)
+        return self.sources.choose(resting)
 
 
 Send = Callable[..., Awaitable[TransactionResult]]
@@ -66,22 +112,33 @@ async def attempt(
     body: BodySource,
     send: Send = deliver,
     connections: ConnectionCache | None = None,
+    plugins: PluginHost | None = None,
 ) -> list[RecipientReport]:
     """Try to deliver ``job`` once; one report per recipient, in the job's order.
 
     ``connections``: kept SMTP connections to reuse (and to keep this attempt's in).
+    ``plugins``: the send-time hooks (``sender:headers``, ``sender:connect``).
     """
-    mx = await resolver.resolve(job.domain, ipv6=settings.ipv6)
-    if mx.kind is not MxKind.HOSTS:
-        return _without_connection(job, mx)
+    if settings.relay is not None:
+        mx = _relay_hosts(job.domain, settings.relay)
+    else:
+        mx = await resolver.resolve(job.domain, ipv6=settings.ipv6)
+        if mx.kind is not MxKind.HOSTS:
+            return _without_connection(job, mx)
+    outgoing = OutgoingBody(body, settings.zone_header)
+    if plugins is not None and plugins.handles(Hook.SENDER_HEADERS):
+        refused = await _sender_headers(job, settings.zone, plugins, outgoing)
+        if refused is not None:
+            return refused
     tokens = {r.address: r.token for r in job.recipients}
     walk = _Walk(
         job,
         settings=settings,
         dead_hosts=dead_hosts,
-        body=body,
+        body=outgoing,
         send=send,
         connections=connections,
+        plugins=plugins,
     )
     await walk.run(mx)
     for rcpt in walk.pending:  # no host settled it: try again later
@@ -112,8 +169,14 @@ class _Walk:
         body: BodySource,
         send: Send,
         connections: ConnectionCache | None,
+        plugins: PluginHost | None = None,
     ) -> None:
         self.connections = connections
+        connect_hook = plugins is not None and plugins.handles(Hook.SENDER_CONNECT)
+        self.plugins = plugins if connect_hook else None
+        # One source for the whole walk: the address the core told us to avoid stays avoided
+        # on every MX host, and the reports name the address the replies were about.
+        self.source = settings.source_for(job.rested)
         self.job = job
         self.settings = settings
         self.dead_hosts = dead_hosts
@@ -141,19 +204,23 @@ class _Walk:
                     await self._try(host.name, address)
 
     async def _try(self, host_name: str, address: str) -> None:
+        if self.plugins is not None and not await self._may_connect(host_name, address):
+            return
+        relay = self.settings.relay
         result = await self.send(
             host=address,
-            port=self.settings.port,
-            helo_name=self.settings.helo_name,
+            port=relay.port if relay is not None else self.settings.port,
+            helo_name=self.source.helo_name,
             sender=self.job.sender,
             recipients=self.pending,
             body=self.body,
-            source_address=self.settings.source_address,
+            source_address=self.source.address,
             tls=self.settings.tls_for(self.job.domain),
             tls_server_name=host_name,
             timeouts=self.settings.timeouts,
             options=self.options,
             cache=self.connections,
+            **(_relay_options(relay) if relay is not None else {}),
         )
         if result.peer is None:
             self.dead_hosts.mark_dead(address)
@@ -161,13 +228,50 @@ class _Walk:
             self.dead_hosts.mark_alive(address)
         still: list[Recipient] = []
         for rcpt, outcome in zip(self.pending, result.recipients, strict=True):
-            if outcome.verdict is Verdict.NEXT_HOST:
+            if outcome.verdict is Verdict.NEXT_HOST and not self._ruled(outcome):
                 self.last[rcpt.address] = (outcome, host_name)
                 still.append(rcpt)
             else:
                 token = self.tokens[rcpt.address]
-                self.settled[rcpt.address] = _report(token, outcome, host_name, result.local)
+                local = result.local or self.source.address
+                self.settled[rcpt.address] = _report(token, outcome, host_name, local)
         self.pending = still
+
+    def _ruled(self, outcome: RecipientResult) -> bool:
+        """Does a reply rule claim this reply (a provider's "slow down" or "blocked" under
+        a 421)?  Then it settles here, deferred: the provider's other MX hosts throttle and
+        block alike, and asking each in turn is what it asked us not to do (the core reads
+        the rule again from the report, ``reply_rules.py``)."""
+        reply = outcome.reply
+        if reply is None or not self.settings.rules:
+            return False
+        status = str(reply.enhanced) if reply.enhanced is not None else None
+        return first_match(self.settings.rules, reply.code, status, str(reply)) is not None
+
+    async def _may_connect(self, host_name: str, address: str) -> bool:
+        """Ask ``sender:connect``; False when a plugin refused or failed (all settled)."""
+        assert self.plugins is not None
+        args = ConnectArgs(
+            zone=self.settings.zone,
+            domain=self.job.domain,
+            mx_host=host_name,
+            mx_address=address,
+            source_address=self.source.address,
+        )
+        try:
+            result = await self.plugins.call(Hook.SENDER_CONNECT, args)
+        except PluginFailure as exc:
+            log.error("%s: %x to %s deferred", exc, self.job.msg_id, self.job.domain)
+            refusal = _plugin_failed(exc)
+        else:
+            if result.reply is None:
+                return True
+            refusal = result.reply
+        for rcpt in self.pending:
+            token = self.tokens[rcpt.address]
+            self.settled[rcpt.address] = _refused(token, refusal, host_name, self.source.address)
+        self.pending = []
+        return False
 
 
 def _recipient(address: str, notify: Sequence[str], orcpt: str | None) -> Recipient:
@@ -201,6 +305,59 @@ def _report(
         mx=mx,
         source_ip=source_ip,
         possible_duplicate=result.possible_duplicate,
+    )
+
+
+def _relay_hosts(domain: str, relay: Relay) -> MxResult:
+    """The smarthost in place of the domain's MX hosts (no lookup: the relay routes)."""
+    host = MxHost(name=relay.host, preference=0, addresses=(relay.host,))
+    return MxResult(MxKind.HOSTS, domain, "smarthost", None, hosts=(host,))
+
+
+def _relay_options(relay: Relay) -> dict[str, object]:
+    return {"implicit_tls": relay.implicit_tls, "auth": relay.auth}
+
+
+async def _sender_headers(
+    job: Job, zone: str, plugins: PluginHost, outgoing: OutgoingBody
+) -> list[RecipientReport] | None:
+    """Ask ``sender:headers`` once for this attempt and put the added fields in front of
+    ``outgoing``; the reports of a refusal or a failure, else None."""
+    args = SenderHeadersArgs(
+        zone=zone,
+        message_id=format_id(job.msg_id),
+        sender=job.sender,
+        recipients=tuple(r.address for r in job.recipients),
+        domain=job.domain,
+        headers=await outgoing.header(),
+        body=outgoing.body,
+    )
+    try:
+        result = await plugins.call(Hook.SENDER_HEADERS, args)
+    except PluginFailure as exc:
+        log.error("%s: %x to %s deferred", exc, job.msg_id, job.domain)
+        return [_refused(r.token, _plugin_failed(exc), None, None) for r in job.recipients]
+    if result.reply is not None:
+        return [_refused(r.token, result.reply, None, None) for r in job.recipients]
+    outgoing.added = b"".join(result.headers)
+    return None
+
+
+def _plugin_failed(exc: PluginFailure) -> Reply:
+    """451 4.3.0 (our own fault, RFC 3463 section 3.4) naming the plugin, for the event."""
+    return Reply(451, (f"plugin {exc.plugin} failed at {exc.hook}",), EnhancedStatus(4, 3, 0))
+
+
+def _refused(token: int, reply: Reply, mx: str | None, source_ip: str | None) -> RecipientReport:
+    """A recipient settled by a plugin's reply: 4xx defers, 5xx bounces."""
+    return RecipientReport(
+        token,
+        Outcome.BOUNCED if reply.is_permanent else Outcome.DEFERRED,
+        reply=str(reply),
+        code=reply.code,
+        enhanced=str(reply.enhanced) if reply.enhanced is not None else None,
+        mx=mx,
+        source_ip=source_ip,
     )
 
 

@@ -26,13 +26,16 @@ from pathlib import Path
 import uvloop
 
 from zoneq.config import Config
-from zoneq.delivery.attempt import Settings, attempt
+from zoneq.config.zones import Smarthost
+from zoneq.delivery.attempt import Relay, Settings, attempt
 from zoneq.delivery.hostcache import DeadHostCache
 from zoneq.delivery.mx import MxResolver, system_nameservers
+from zoneq.delivery.pool import SourcePool
 from zoneq.delivery.transport import ConnectionCache, TlsPolicy
 from zoneq.errors import TemporaryFailure
 from zoneq.ipc.client import IpcClient
 from zoneq.ipc.messages import Hello, Job, Outcome, RecipientReport
+from zoneq.plugin import PluginHost
 
 log = logging.getLogger("zoneq.worker")
 
@@ -42,12 +45,33 @@ LEASE_WAIT_MS = 5_000
 def settings_for(config: Config, zone: str) -> Settings:
     zone_config = config.zones[zone]
     hostname = config.server.resolved_hostname()
+    helo_name = zone_config.ehlo_name or hostname
     return Settings(
-        helo_name=zone_config.ehlo_name or hostname,
+        helo_name=helo_name,
         port=config.delivery.mx_port,
         ipv6=zone_config.ipv6,
         tls=TlsPolicy(config.delivery.tls),
         tls_policy={d: TlsPolicy(p) for d, p in config.delivery.tls_policy.items()},
+        sources=SourcePool(zone_config.pool, helo_name) if zone_config.pool else None,
+        relay=relay_for(zone_config.smarthost),
+        zone=zone,
+        zone_header=config.routing.zone_header,
+        rules=config.reply_rules.compiled(),
+    )
+
+
+def relay_for(smarthost: Smarthost | None) -> Relay | None:
+    """The zone's smarthost as the attempt uses it; ``implicit`` is TLS that is required."""
+    if smarthost is None:
+        return None
+    auth = smarthost.auth
+    implicit = smarthost.tls == "implicit"
+    return Relay(
+        host=smarthost.host.strip("[]"),
+        port=smarthost.port,
+        tls=TlsPolicy.REQUIRED if implicit else TlsPolicy(smarthost.tls),
+        implicit_tls=implicit,
+        auth=(auth.username, auth.password) if auth is not None else None,
     )
 
 
@@ -67,8 +91,11 @@ def resolver_for(config: Config) -> MxResolver:
 
 
 class Worker:
-    def __init__(self, config: Config, zone: str, client: IpcClient) -> None:
+    def __init__(
+        self, config: Config, zone: str, client: IpcClient, plugins: PluginHost | None = None
+    ) -> None:
         self._config = config
+        self._plugins = plugins
         self._zone = zone
         self._client = client
         self._settings = settings_for(config, zone)
@@ -153,6 +180,7 @@ class Worker:
                 dead_hosts=self._dead_hosts,
                 body=lambda: self._client.iter_body(job),
                 connections=self._connections,
+                plugins=self._plugins,
             )
         except Exception as exc:  # a bug or a local fault must not lose the job
             log.exception("delivery of %x to %s failed locally", job.msg_id, job.domain)
@@ -180,10 +208,13 @@ def main(config: Config, zone: str, name: str) -> int:
 
 async def run(config: Config, zone: str, name: str) -> int:
     """The worker's main: connect, deliver until SIGTERM or the core goes away."""
+    # The send-time hooks run here, in the worker (a plugin that cannot load stops the
+    # worker at start, with the reason, rather than failing every delivery).
+    plugins = PluginHost.from_config(config)
     client = await IpcClient.connect(
         Path(config.server.ipc_socket), Hello(zone=zone, worker=name, pid=os.getpid())
     )
-    worker = Worker(config, zone, client)
+    worker = Worker(config, zone, client, plugins)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, worker.stopping.set)
@@ -195,4 +226,5 @@ async def run(config: Config, zone: str, name: str) -> int:
     finally:
         with contextlib.suppress(Exception):
             await client.close()
+        await plugins.close()
     return 0

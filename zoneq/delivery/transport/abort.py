@@ -17,6 +17,7 @@ BAD_CONNECTION: Final = EnhancedStatus(4, 4, 2)  # X.4.2 bad connection
 LOCAL_ERROR: Final = EnhancedStatus(4, 3, 0)  # X.3.0 other mail system status
 NO_TLS: Final = EnhancedStatus(4, 7, 4)  # X.7.4 security features not supported
 TLS_FAILED: Final = EnhancedStatus(4, 7, 5)  # X.7.5 cryptographic failure
+NO_AUTH: Final = EnhancedStatus(4, 7, 0)  # X.7.0 other security status (AUTH not possible)
 TOO_BIG: Final = EnhancedStatus(5, 3, 4)  # X.3.4 message too big for system
 NO_UTF8: Final = EnhancedStatus(5, 6, 7)  # X.6.7 non-ASCII addresses not permitted (RFC 6531)
 BAD_RCPT_SYNTAX: Final = EnhancedStatus(5, 1, 3)  # X.1.3 bad destination mailbox syntax

@@ -30,7 +30,9 @@ class Connection:
     open_transaction: bool = False
 
 
-CacheKey = tuple[str, int, str | None, str, str, str]
+# host, port, source address (IP pools: a connection is never reused from another address),
+# TLS policy, TLS server name, HELO name, implicit TLS, AUTH user.
+CacheKey = tuple[str, int, str | None, str, str, str, bool, str | None]
 
 
 class ConnectionCache:

@@ -29,7 +29,10 @@ from zoneq.protocol.replies import Reply, Stage, Verdict
 WRITE_SIZE: Final = 64 * 1024  # gather encoded pieces up to this much before a write
 
 
-async def _chunks(source: AsyncIterable[bytes] | Iterable[bytes]) -> AsyncGenerator[bytes, None]:
+async def body_chunks(
+    source: AsyncIterable[bytes] | Iterable[bytes],
+) -> AsyncGenerator[bytes, None]:
+    """A body source's chunks, whether it gives them synchronously or not."""
     if isinstance(source, AsyncIterable):
         async for chunk in source:
             yield chunk
@@ -55,7 +58,7 @@ async def send_body(
     """
     stuffer = DotStuffer(max_line_length)
     pending = bytearray()
-    chunks = _chunks(body())
+    chunks = body_chunks(body())
     try:
         while True:
             try:

@@ -15,6 +15,13 @@ session is started again on a new connection in plaintext, and ``tls_fallback`` 
 REQUIRED verifies the certificate (unless told otherwise) and never sends MAIL in plaintext: no
 STARTTLS, a refusal or a failed handshake makes every recipient DEFER with 4.7.4 (security
 feature not supported) or 4.7.5 (cryptographic failure), RFC 3463 section 3.8.
+
+Smarthosts (issue 5) add two things.  ``implicit_tls``: TLS from the first byte (port 465,
+RFC 8314 section 3.3), done by aiosmtplib's ``use_tls``; no STARTTLS then.  ``auth``: AUTH
+(RFC 4954) with aiosmtplib's ``login``, which picks a mechanism the server offers, once the
+session is under TLS; credentials never go in plaintext unless the policy is NONE (the
+operator said so).  A relay that refuses the credentials, or that cannot take them, DEFERs:
+the fault is in our configuration, not in the mail, which must wait rather than bounce.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import cast
 
 import aiosmtplib
 
-from zoneq.delivery.transport.abort import NO_ANSWER, NO_TLS, TLS_FAILED, Abort, lost
+from zoneq.delivery.transport.abort import NO_ANSWER, NO_AUTH, NO_TLS, TLS_FAILED, Abort, lost
 from zoneq.delivery.transport.cache import Connection
 from zoneq.delivery.transport.channel import Channel
 from zoneq.delivery.transport.options import Timeouts, TlsPolicy
@@ -47,6 +54,8 @@ class Destination:
     tls_server_name: str
     tls_context: ssl.SSLContext | None
     timeouts: Timeouts
+    implicit_tls: bool = False
+    auth: tuple[str, str] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -74,7 +83,8 @@ async def open_session(dest: Destination, seen: Seen) -> Connection:
     smtp = await _connect(dest, seen)
     try:
         seen.extensions = await _hello(smtp, dest)
-        if dest.tls_policy is not TlsPolicy.NONE:
+        seen.tls = dest.implicit_tls
+        if dest.tls_policy is not TlsPolicy.NONE and not dest.implicit_tls:
             required = dest.tls_policy is TlsPolicy.REQUIRED
             if "STARTTLS" in seen.extensions:
                 failure = await _starttls(smtp, dest)
@@ -102,6 +112,8 @@ async def open_session(dest: Destination, seen: Seen) -> Connection:
                     status=NO_TLS,
                     detail="TLS is required, but STARTTLS was not offered by the host",
                 )
+        if dest.auth is not None:
+            await _login(smtp, dest, seen)
         transport = smtp.transport
         if transport is None or transport.is_closing():
             raise lost(Stage.EHLO, "connection closed")
@@ -128,6 +140,8 @@ async def _connect(dest: Destination, seen: Seen) -> aiosmtplib.SMTP:
         source_address=(dest.source_address, 0) if dest.source_address else None,
         timeout=dest.timeouts.greeting,
         start_tls=False,  # decided here, after EHLO, by the policy
+        use_tls=dest.implicit_tls,
+        tls_context=_tls_context(dest) if dest.implicit_tls else None,
     )
     try:
         await smtp.connect()
@@ -135,7 +149,7 @@ async def _connect(dest: Destination, seen: Seen) -> aiosmtplib.SMTP:
         # RFC 5321 section 3.1: e.g. a 554 greeting; the host refuses the session.
         reply = _to_reply(exc.code, exc.message, Stage.GREETING)
         raise Abort(Stage.GREETING, classify(reply, Stage.GREETING), reply=reply) from None
-    except (aiosmtplib.SMTPException, OSError) as exc:
+    except (aiosmtplib.SMTPException, ssl.SSLError, OSError) as exc:
         raise Abort(
             Stage.CONNECT,
             Verdict.NEXT_HOST,
@@ -167,6 +181,35 @@ async def _hello(smtp: aiosmtplib.SMTP, dest: Destination) -> dict[str, str]:
     except (aiosmtplib.SMTPException, OSError) as exc:
         raise lost(Stage.EHLO, exc) from None
     return {key.upper(): value for key, value in smtp.esmtp_extensions.items()}
+
+
+async def _login(smtp: aiosmtplib.SMTP, dest: Destination, seen: Seen) -> None:
+    """AUTH with the relay's credentials (RFC 4954), only under TLS unless the policy is NONE."""
+    assert dest.auth is not None
+    if not seen.tls and dest.tls_policy is not TlsPolicy.NONE:
+        raise Abort(
+            Stage.AUTH,
+            Verdict.DEFER,
+            status=NO_TLS,
+            detail="credentials are not sent without TLS, and the session has none",
+        )
+    user, password = dest.auth
+    try:
+        await smtp.login(user, password, timeout=dest.timeouts.ehlo)
+    except aiosmtplib.SMTPResponseException as exc:
+        try:
+            reply: Reply | None = reply_from_text(exc.code, exc.message)
+        except ProtocolError:
+            reply = None
+        if reply is None or reply.code == 421:
+            raise lost(Stage.AUTH, f"AUTH failed: {exc}") from None
+        raise Abort(Stage.AUTH, Verdict.DEFER, reply=reply, detail="AUTH refused") from None
+    except aiosmtplib.SMTPException as exc:  # e.g. no mechanism in common, AUTH not offered
+        raise Abort(
+            Stage.AUTH, Verdict.DEFER, status=NO_AUTH, detail=f"AUTH not possible: {exc}"
+        ) from None
+    except OSError as exc:
+        raise lost(Stage.AUTH, exc) from None
 
 
 def _tls_context(dest: Destination) -> ssl.SSLContext:

@@ -32,7 +32,8 @@ new transaction on the same connection, reading the body again from ``body()``.
 
 Connection reuse: with a :class:`ConnectionCache`, a session that ended cleanly (its last
 transaction answered, nothing open) is kept instead of QUIT, and the next message to the same
-destination (host, port, source address, TLS policy and name, HELO name) starts with MAIL on
+destination (host, port, source address, TLS policy and name, HELO name, implicit TLS, AUTH
+user) starts with MAIL on
 it, as Postfix's connection cache does: no TCP handshake, greeting, EHLO or TLS handshake per
 message.  A session whose last transaction is still open (every recipient refused, or DATA
 refused) says RSET first, and is kept if that is answered 250.  A kept connection the server
@@ -142,6 +143,8 @@ class _Session:
             dest.tls_policy.value,
             dest.tls_server_name,
             dest.helo_name,
+            dest.implicit_tls,
+            dest.auth[0] if dest.auth is not None else None,
         )
 
     def _adopt(self) -> bool:
@@ -281,6 +284,8 @@ async def deliver(
     options: MailOptions | None = None,
     max_line_length: int = DEFAULT_MAX_LINE_LENGTH,
     cache: ConnectionCache | None = None,
+    implicit_tls: bool = False,
+    auth: tuple[str, str] | None = None,
 ) -> TransactionResult:
     """Deliver one message to ``recipients`` through the server at ``host``:``port``.
 
@@ -291,6 +296,8 @@ async def deliver(
     REQUIRED, not for OPPORTUNISTIC; ``tls_server_name`` is the name sent (SNI) and checked
     (default ``host``); ``tls_context`` replaces both.  ``cache``: take a kept connection to
     this destination if there is one, and keep this one afterwards (see the module docstring).
+    ``implicit_tls``: TLS from the first byte (port 465) instead of STARTTLS; ``auth``: (user,
+    password) for AUTH once under TLS (smarthosts, ``dialogue.py``).
 
     Returns a result per recipient, in order; never raises for anything the remote host does.
     Raises ValueError for arguments that cannot be sent (a HELO name with spaces, an ENVID or
@@ -309,6 +316,8 @@ async def deliver(
         tls_server_name=tls_server_name or host,
         tls_context=tls_context,
         timeouts=timeouts,
+        implicit_tls=implicit_tls,
+        auth=auth,
     )
     envelope = Envelope(
         sender=sender,
