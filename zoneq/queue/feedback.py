@@ -132,8 +132,10 @@ class DomainFeedback:
 
     def rested(self, domain: str) -> frozenset[str]:
         """Source addresses resting for ``domain`` now: the next attempt avoids them."""
+        resting = self._rested.get(domain)
+        if resting is None:  # the common case: one dict lookup, no clock reading
+            return frozenset()
         now = self.clock()
-        resting = self._rested.get(domain, {})
         for address in [a for a, until in resting.items() if until <= now]:
             del resting[address]
         if not resting:

@@ -16,6 +16,17 @@ per connection, which its users found useless):
 
 A job whose domain is at its limit is skipped for now, not dropped: the next free slot of
 that domain picks it up, while jobs for other domains go ahead of it.
+
+Per-MX limits (issue 5): many domains share one provider's MX hosts, and a limit per domain
+alone lets a thousand small domains on one provider open a thousand connections to it.  The
+core does not resolve MX (the workers do), so ``DomainSlots`` *learns* each domain's MX host
+from the reports (every outcome names the host it was about) and counts a domain's jobs
+against the limit of its MX host as well, across every domain known to share it.  The
+learning window: until the first report for a domain arrives, its jobs count against its
+domain limit only; so at most ``domain limit`` connections per newly seen domain can go
+beyond an MX limit, once.  Only domains whose MX host has a limit are remembered, at most
+``MAX_LEARNT`` of them (the oldest learnt is forgotten first, and is learnt again by its
+next report).
 """
 
 from __future__ import annotations
@@ -23,7 +34,9 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Final, Generic, TypeVar
+
+from zoneq.config.zones import limit_for
 
 if TYPE_CHECKING:  # feedback.py builds on RateLimiter below; the scheduler only calls it
     from zoneq.queue.feedback import DomainFeedback
@@ -31,6 +44,9 @@ if TYPE_CHECKING:  # feedback.py builds on RateLimiter below; the scheduler only
 T = TypeVar("T")
 
 DEFAULT_MAX_RECIPIENTS = 50
+
+MAX_LEARNT: Final = 100_000
+"""Domains whose MX host (with a limit) is remembered; and limits looked up, cached."""
 
 ZONE_BURST = 2
 """GCRA's tolerance for a zone's rate, in jobs: 2 lets a job start up to one interval early.
@@ -85,10 +101,13 @@ class RateLimiter:
 
 
 class DomainSlots:
-    """Connections in flight per destination domain, against a limit per domain.
+    """Connections in flight per destination domain, against a limit per domain and one
+    per MX host (see the module's docstring).
 
-    With ``feedback`` (``feedback.py``), a domain a remote server asked to slow down has a
-    lower limit and a rate of its own for a while.
+    ``limits`` and ``mx_limits`` are the config's ``domain_limits`` and ``mx_limits``: a
+    name, or a parent written with a leading dot (``limit_for``).  With ``feedback``
+    (``feedback.py``), a domain a remote server asked to slow down has a lower limit and a
+    rate of its own for a while.
     """
 
     def __init__(
@@ -96,23 +115,57 @@ class DomainSlots:
         default_limit: int,
         limits: Mapping[str, int] | None = None,
         feedback: DomainFeedback | None = None,
+        mx_limits: Mapping[str, int] | None = None,
     ) -> None:
         if default_limit < 1:
             raise ValueError("a domain connection limit must be at least 1")
         self._default = default_limit
         self._limits = dict(limits or {})
+        self._mx_limits = dict(mx_limits or {})
         self._busy: dict[str, int] = {}
+        self._domain_limit: dict[str, int] = {}  # limit_for's answers, cached
+        self._mx_of: dict[str, tuple[str, int]] = {}  # domain -> (MX host, its limit)
+        self._mx_busy: dict[str, int] = {}  # MX host -> jobs in flight counted against it
+        self._charged: dict[str, dict[str, int]] = {}  # domain -> MX host -> jobs counted
         self.feedback = feedback
 
     def limit(self, domain: str) -> int:
-        normal = self._limits.get(domain, self._default)
+        normal = self._domain_limit.get(domain)
+        if normal is None:
+            found = limit_for(self._limits, domain) if self._limits else None
+            normal = self._default if found is None else found
+            if len(self._domain_limit) >= MAX_LEARNT:
+                self._domain_limit.clear()
+            self._domain_limit[domain] = normal
         return normal if self.feedback is None else self.feedback.limit(domain, normal)
 
     def in_flight(self, domain: str) -> int:
         return self._busy.get(domain, 0)
 
+    def mx_in_flight(self, mx_host: str) -> int:
+        return self._mx_busy.get(mx_host.lower().rstrip("."), 0)
+
+    def learn(self, domain: str, mx_host: str) -> None:
+        """A report says ``domain`` was delivered (or tried) through ``mx_host``."""
+        if not self._mx_limits:
+            return
+        host = mx_host.lower().rstrip(".")
+        known = self._mx_of.get(domain)
+        if known is not None and known[0] == host:
+            return
+        limit = limit_for(self._mx_limits, host)
+        if limit is None:
+            self._mx_of.pop(domain, None)
+            return
+        if known is None and len(self._mx_of) >= MAX_LEARNT:
+            del self._mx_of[next(iter(self._mx_of))]
+        self._mx_of[domain] = (host, limit)
+
     def available(self, domain: str) -> bool:
         if self._busy.get(domain, 0) >= self.limit(domain):
+            return False
+        mx = self._mx_of.get(domain)
+        if mx is not None and self._mx_busy.get(mx[0], 0) >= mx[1]:
             return False
         return self.feedback is None or self.feedback.may_start(domain)
 
@@ -120,6 +173,14 @@ class DomainSlots:
         if not self.available(domain):
             raise RuntimeError(f"no free connection slot for {domain}")
         self._busy[domain] = self._busy.get(domain, 0) + 1
+        mx = self._mx_of.get(domain)
+        if mx is not None:
+            # Remember which host this job was counted against: the domain's MX may be
+            # learnt anew before the job is released.
+            host = mx[0]
+            self._mx_busy[host] = self._mx_busy.get(host, 0) + 1
+            charged = self._charged.setdefault(domain, {})
+            charged[host] = charged.get(host, 0) + 1
         if self.feedback is not None:
             self.feedback.started(domain)
 
@@ -131,6 +192,23 @@ class DomainSlots:
             self._busy[domain] = left
         else:
             del self._busy[domain]
+        charged = self._charged.get(domain)
+        if charged and left < sum(charged.values()):
+            # Jobs started before the domain's MX was learnt were not counted against it;
+            # uncount only as many as were counted.
+            host = next(iter(charged))
+            _decrement(charged, host)
+            _decrement(self._mx_busy, host)
+            if not charged:
+                del self._charged[domain]
+
+
+def _decrement(counts: dict[str, int], key: str) -> None:
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
 
 
 @dataclass(frozen=True, slots=True)

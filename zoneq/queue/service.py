@@ -17,6 +17,15 @@ away has all its recipients returned at once, ready again.
 Outcomes: DELIVERED completes the recipient; RETURNED gives it back untried; DEFERRED waits
 for the zone's retry schedule, or expires into a bounce once the schedule gives up;
 BOUNCED removes it with a DSN (``bounces.py``) queued in the bounce zone in the same batch.
+
+Each failure's reply goes to the zone's feedback (``feedback.py``) before it is applied: the
+reply rule that fits it may turn a bounce into a deferral (a block of our source address
+says nothing about the recipient) or the reverse, a "slow down" lowers the domain's
+concurrency for a while, and a "blocked" rests the source address for that domain, which
+the next job for it carries (``Job.rested``) so the worker binds another.  Each outcome's
+MX host teaches the per-MX limits which domains share a host (``scheduler.py``).  Once
+outcomes are committed, the outcome hooks (``delivered``, ``deferred``, ``bounced``) hear
+of them in a task of their own, never holding the report up.
 """
 
 from __future__ import annotations
@@ -28,13 +37,17 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final
 
 from zoneq.config import Config
-from zoneq.errors import LeaseError, NotFound, StorageUnavailable
+from zoneq.errors import LeaseError, NotFound, ProtocolError, StorageUnavailable
+from zoneq.plugin.hooks import Hook, OutcomeArgs
+from zoneq.plugin.host import PluginHost
 from zoneq.protocol.dsn import Action
-from zoneq.protocol.ids import id_time_ms
+from zoneq.protocol.ids import format_id, id_time_ms
+from zoneq.protocol.replies import Reply, reply_from_text
+from zoneq.protocol.reply_rules import ReplyAction
 from zoneq.protocol.retry import RetrySchedule
 from zoneq.queue.bounces import FULL_RETURN_LIMIT, HEADER_LIMIT, Failure, compose
 from zoneq.queue.feedback import DomainFeedback
@@ -81,6 +94,7 @@ class Job:
     body_8bit: bool
     recipients: tuple[JobRecipient, ...]
     body: bytes | None = None  # the whole body when it is one chunk: saves the worker a fetch
+    rested: frozenset[str] = frozenset()  # source addresses to avoid for this domain now
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +118,7 @@ class _Running:
     owner: str
     tokens: set[int]
     size: int = 0  # the message's size, for the outcome events (issue 6)
+    sender: str = ""  # for the outcome hooks
 
 
 @dataclass(slots=True)
@@ -131,6 +146,7 @@ class QueueService:
         window: int = DEFAULT_WINDOW,
         domain_connections: int = DEFAULT_DOMAIN_CONNECTIONS,
         max_recipients: int = 50,
+        plugins: PluginHost | None = None,
     ) -> None:
         self._store = store
         self._config = config
@@ -143,14 +159,23 @@ class QueueService:
         self._leases: dict[int, tuple[Lease, int]] = {}  # token -> (lease, job id)
         self._running: dict[int, _Running] = {}  # job id -> state
         self._job_ids = itertools.count(1)
+        # Outcome hooks (issue 5); None or a host without them: nothing is built per report.
+        self._plugins = plugins
+        self._notifying: set[asyncio.Future[None]] = set()
         store.on_ready = self._wake
         self._paused: set[str] = store.paused_zones()  # persisted by pause(); see the end
 
     @classmethod
     def from_config(
-        cls, store: QueueStore, config: Config, *, clock: Callable[[], int] = wall_clock_ms
+        cls,
+        store: QueueStore,
+        config: Config,
+        *,
+        clock: Callable[[], int] = wall_clock_ms,
+        plugins: PluginHost | None = None,
     ) -> QueueService:
-        """The service as ``zoneq serve`` runs it: host name and limits from the config."""
+        """The service as ``zoneq serve`` runs it: host name and limits from the config;
+        ``plugins``: the host whose outcome hooks hear of each committed outcome."""
         return cls(
             store,
             config,
@@ -158,6 +183,7 @@ class QueueService:
             clock=clock,
             domain_connections=config.delivery.domain_connections,
             max_recipients=config.delivery.max_recipients,
+            plugins=plugins,
         )
 
     # --- zones ----------------------------------------------------------------------------
@@ -177,7 +203,9 @@ class QueueService:
                 schedule=schedule,
                 slots=DomainSlots(
                     self._domain_connections,
+                    self._config.delivery.domain_limits,
                     feedback=DomainFeedback.from_config(self._config.reply_rules, self._clock),
+                    mx_limits=self._config.delivery.mx_limits,
                 ),
                 rate=RateLimiter.zone(settings.rate_limit if settings is not None else None),
             )
@@ -262,10 +290,14 @@ class QueueService:
         planned = Planned(planned.msg_id, planned.domain, tuple(current))
         job_id = next(self._job_ids)
         tokens = {lease.token for lease in planned.items}
-        self._running[job_id] = _Running(state.name, planned.domain, owner, tokens, meta.size)
+        self._running[job_id] = _Running(
+            state.name, planned.domain, owner, tokens, meta.size, meta.sender
+        )
         for lease in planned.items:
             self._leases[lease.token] = (lease, job_id)
+        feedback = state.slots.feedback
         return Job(
+            rested=feedback.rested(planned.domain) if feedback is not None else frozenset(),
             body=self._inline_body(meta),
             msg_id=meta.msg_id,
             sender=meta.sender,
@@ -323,24 +355,16 @@ class QueueService:
         refused: list[int] = []
         work: list[Awaitable[int | None]] = []
         failures: dict[int, list[tuple[int, Lease, Failure, Outcome, bool]]] = {}
-        for item in outcomes:
-            held = self._leases.get(item.token)
-            if held is None or self._running[held[1]].owner != owner:
-                refused.append(item.token)
+        told: list[tuple[Lease, RecipientOutcome, _Running]] = []
+        for reported in outcomes:
+            claimed = self._claim(owner, reported)
+            if claimed is None:
+                refused.append(reported.token)
                 continue
-            size = self._running[held[1]].size
-            lease = self._finish(item.token)
+            lease, item, running = claimed
+            told.append(claimed)
             if item.possible_duplicate:
-                # RFC 1047: the message went out whole but no final reply came back, so the
-                # remote may have it; a retry can deliver a second copy.  Logged so that a
-                # duplicate can be explained (the event carries the flag too).
-                log.warning(
-                    "possible duplicate: %016x to %s via %s (%s); retried later",
-                    lease.recipient.msg_id,
-                    lease.recipient.address,
-                    item.mx or "?",
-                    item.reply or "no reply after the final dot",
-                )
+                _log_duplicate(lease, item)
             outcome = Outcome(
                 reply=item.reply,
                 code=item.code,
@@ -348,7 +372,7 @@ class QueueService:
                 mx=item.mx,
                 source_ip=item.source_ip,
                 possible_duplicate=item.possible_duplicate,
-                size=size,
+                size=running.size,
             )
             if item.result is Result.DELIVERED:
                 work.append(_guarded(item.token, self._store.complete(lease, now, outcome)))
@@ -383,7 +407,74 @@ class QueueService:
         done = await asyncio.gather(*work)
         accepted = [token for token in done if token is not None]
         refused.extend(item.token for item in outcomes if item.token not in accepted)
+        self._tell_plugins(told, accepted)
         return accepted, sorted(set(refused))
+
+    def _claim(
+        self, owner: str, reported: RecipientOutcome
+    ) -> tuple[Lease, RecipientOutcome, _Running] | None:
+        """End the lease ``reported`` is about, if it is ``owner``'s (None if not); the
+        outcome as the reply rules judge it."""
+        held = self._leases.get(reported.token)
+        if held is None or self._running[held[1]].owner != owner:
+            return None
+        running = self._running[held[1]]
+        if reported.mx is not None:  # per-MX limits learn which host serves the domain
+            self._zone(running.zone).slots.learn(running.domain, reported.mx)
+        item = self._judged(running, reported)
+        return self._finish(item.token), item, running
+
+    def _judged(self, running: _Running, item: RecipientOutcome) -> RecipientOutcome:
+        """Feed a failure's reply to the zone's feedback (``feedback.py``), and let the reply
+        rule that fits it decide between deferring and bouncing (``reply_rules.py``): a
+        block of our address or a "slow down" under a 5xx defers, and the rules say which
+        4xx texts are permanent in truth."""
+        if item.result not in (Result.DEFERRED, Result.BOUNCED):
+            return item
+        feedback = self._zone(running.zone).slots.feedback
+        if feedback is None:
+            return item
+        action = feedback.observe(
+            running.domain, item.code, item.enhanced, item.reply, item.source_ip
+        )
+        result = _RULED.get(action) if action is not None else None
+        if result is None or result is item.result:
+            return item
+        return replace(item, result=result)
+
+    def _tell_plugins(
+        self, told: list[tuple[Lease, RecipientOutcome, _Running]], accepted: list[int]
+    ) -> None:
+        """Outcome hooks (``delivered``, ``deferred``, ``bounced``) for committed outcomes, in
+        a task of their own: a slow plugin never holds up the report (``notify`` never
+        raises; its failures are logged there)."""
+        plugins = self._plugins
+        if plugins is None or not told:
+            return
+        committed = set(accepted)
+        calls: list[tuple[Hook, OutcomeArgs]] = []
+        for lease, item, running in told:
+            hook = _OUTCOME_HOOK.get(item.result)
+            if item.token not in committed or hook is None or not plugins.handles(hook):
+                continue
+            record = lease.recipient
+            calls.append(
+                (
+                    hook,
+                    OutcomeArgs(
+                        zone=running.zone,
+                        message_id=format_id(record.msg_id),
+                        sender=running.sender,
+                        recipient=record.address,
+                        reply=_reply_of(item),
+                        attempts=record.attempts + 1,
+                    ),
+                )
+            )
+        if calls:
+            task = asyncio.ensure_future(_notify_all(plugins, calls))
+            self._notifying.add(task)
+            task.add_done_callback(self._notifying.discard)
 
     def _next_attempt(self, lease: Lease, now: int) -> int | None:
         """When to try again after this failure, or None: the schedule gives up (expired)."""
@@ -548,6 +639,49 @@ class QueueService:
 
     def paused(self) -> frozenset[str]:
         return frozenset(self._paused)
+
+
+_RULED: Final = {
+    ReplyAction.DEFER: Result.DEFERRED,
+    ReplyAction.SLOW_DOWN: Result.DEFERRED,
+    ReplyAction.BLOCKED: Result.DEFERRED,
+    ReplyAction.BOUNCE: Result.BOUNCED,
+}
+_OUTCOME_HOOK: Final = {
+    Result.DELIVERED: Hook.DELIVERED,
+    Result.DEFERRED: Hook.DEFERRED,
+    Result.BOUNCED: Hook.BOUNCED,
+}
+
+
+def _log_duplicate(lease: Lease, item: RecipientOutcome) -> None:
+    # RFC 1047: the message went out whole but no final reply came back, so the remote may
+    # have it; a retry can deliver a second copy.  Logged so that a duplicate can be
+    # explained (the event carries the flag too).
+    log.warning(
+        "possible duplicate: %016x to %s via %s (%s); retried later",
+        lease.recipient.msg_id,
+        lease.recipient.address,
+        item.mx or "?",
+        item.reply or "no reply after the final dot",
+    )
+
+
+def _reply_of(item: RecipientOutcome) -> Reply | None:
+    """The remote reply as a worker reported it (code and one-line text), if there was one."""
+    if item.code is None:
+        return None
+    code = str(item.code)
+    text = item.reply[len(code) :].lstrip(" -") if item.reply.startswith(code) else item.reply
+    try:
+        return reply_from_text(item.code, text)
+    except ProtocolError:
+        return None
+
+
+async def _notify_all(plugins: PluginHost, calls: list[tuple[Hook, OutcomeArgs]]) -> None:
+    for hook, args in calls:
+        await plugins.notify(hook, args)
 
 
 async def _guarded(token: int, operation: Awaitable[None]) -> int | None:
