@@ -100,6 +100,8 @@ class FaultyDatabase(Database):
 
     * ``fail_writes = n``: the next ``n`` writes raise ``StorageUnavailable`` (nothing
       written, as LevelDB does when the log append fails);
+    * ``fail_syncs = n``: the next ``n`` synced writes are written, then raise (a failed
+      fdatasync after the log append: the batch is in the log, and a reopen replays it);
     * ``unavailable = True``: every write and every (re)open fails until cleared (a full
       disk that stays full);
     * ``gate``: when set to a ``threading.Event``, writes wait for it (a slow fsync), so a
@@ -108,6 +110,7 @@ class FaultyDatabase(Database):
 
     def __init__(self, path: Path, **options: Any) -> None:
         self.fail_writes = 0
+        self.fail_syncs = 0
         self.unavailable = False
         self.gate: threading.Event | None = None
         self.entered = threading.Event()
@@ -135,6 +138,9 @@ class FaultyDatabase(Database):
         super().write(ops, sync=sync)
         self.writes += 1
         self.syncs.append(sync)
+        if sync and self.fail_syncs:
+            self.fail_syncs -= 1
+            raise StorageUnavailable("injected: fdatasync failed after the log append")
 
 
 class StoreFactory:

@@ -1066,6 +1066,51 @@ async def test_runtime_reopen_keeps_chunks_of_messages_being_received(
 
 
 @async_test
+async def test_a_commit_that_failed_but_landed_is_removed_at_the_reopen(
+    stores: StoreFactory,
+) -> None:
+    # Found by the fault suite: fdatasync fails after LevelDB appended the batch to its
+    # log, the client is told 4xx and sends again, and the reopen replays the batch: two
+    # copies.  The store remembers the failed commit and removes it at the reopen.
+    store = stores.open(faulty=True)
+    db = stores.faulty(store)
+    kept = await queue_message(store, addresses(2), now_ms=T0)
+    failed = store.begin(T0)
+    db.fail_syncs = 1
+    with pytest.raises(Exception, match="fdatasync"):
+        await store.commit(make_meta(failed, chunks=0), rcpts(("x@example.org", Z)), T0 + 1)
+    assert store.lease(Z, 10, "w") != []  # the next operation reopens the store
+    assert store.failure is None
+    with pytest.raises(NotFound):
+        store.message(failed)
+    assert store.message(kept).msg_id == kept
+    assert store.message_count() == 1
+    assert store.counters() == store.recount()
+    dropped = [e for _, e in store.events() if e.kind is EventKind.DROPPED]
+    assert [(e.message_id, e.recipient, e.time_ms) for e in dropped] == [
+        (format_id(failed), "x@example.org", T0 + 1)
+    ]
+
+
+@async_test
+async def test_a_commit_that_failed_before_its_write_leaves_nothing_to_undo(
+    stores: StoreFactory,
+) -> None:
+    store = stores.open(faulty=True)
+    db = stores.faulty(store)
+    kept = await queue_message(store, addresses(1), now_ms=T0)
+    failed = store.begin(T0)
+    db.fail_writes = 1
+    with pytest.raises(Exception, match="injected"):
+        await store.commit(make_meta(failed, chunks=0), rcpts(("x@example.org", Z)), T0)
+    store.lease(Z, 10, "w")
+    assert store.failure is None
+    assert store.message_count() == 1 and store.message(kept).msg_id == kept
+    assert not [e for _, e in store.events() if e.kind is EventKind.DROPPED]
+    assert store.counters() == store.recount()
+
+
+@async_test
 async def test_abandon_while_a_chunk_is_in_flight_leaves_nothing(stores: StoreFactory) -> None:
     store = stores.open(faulty=True)
     db = stores.faulty(store)

@@ -120,6 +120,8 @@ class StoreBase:
         # abandoned; its delete must be staged too, or the chunk lands after the marker is gone
         # and nothing would ever find it again.
         self._receiving: dict[int, int] = {}
+        # Messages whose commit failed (their client got 4xx); see _undo_failed_commits.
+        self._failed_commits: dict[int, int] = {}  # msg_id -> the commit's now_ms
         self.quarantined: list[StorageCorruption] = []
         # Called with a zone's name when recipients become ready there (once durable), so
         # the queue service can wake delivery loops waiting for work instead of polling.
@@ -146,7 +148,19 @@ class StoreBase:
         self._floors_written = (self._ids.last, self._event_ids.last)
 
     def _on_failure(self, exc: StorageUnavailable) -> None:
-        # LevelDB's error is sticky: leave the handle failed until reopen() succeeds.
+        # LevelDB's error is sticky: leave the handle failed until reopen() succeeds.  The
+        # leases go: whatever the workers report from now on cannot be written, so every
+        # recipient in flight is ready again after the reopen and tried once more.  The
+        # remote may have taken it already, so each is logged as a possible duplicate in
+        # the core's usual words (RFC 1047's window, widened by the fault).
+        for lease in self._leases.values():
+            log.warning(
+                "possible duplicate: %016x to %s via ? (in flight when the queue storage "
+                "failed: %s); retried later",
+                lease.recipient.msg_id,
+                lease.recipient.address,
+                exc,
+            )
         self._leases.clear()
         if isinstance(exc, DiskFull):
             self.space.release()  # room for the reopen and the deletes that drain the queue
@@ -167,6 +181,46 @@ class StoreBase:
             raise
         self.recover(receiving=receiving)
         self._writer.reset()
+        self._undo_failed_commits()
+
+    def _undo_failed_commits(self) -> None:
+        """Remove the messages whose commit failed but landed after all.
+
+        LevelDB appends a batch to its log before syncing it: when the sync fails the batch
+        is in the log, and the reopen replays it.  Its client was told 4xx and will send the
+        message again, so keeping it would deliver two copies.  (A crash before this point
+        keeps it: a possible duplicate, the RFC 1047 trade of a copy for no loss.)
+        """
+        failed, self._failed_commits = self._failed_commits, {}
+        ops: list[Op] = []
+        for msg_id, now_ms in sorted(failed.items()):
+            if self._db.get(keys.message_head(msg_id)) is None:
+                continue  # the batch did not land: the sweep removes its chunks
+            for state, key, _ in list(self._raw_records(msg_id)):
+                ops.extend(self._remove_key(key, state, None))
+                _, zone, _, address = keys.decode_record(key)
+                # Its ACCEPTED event landed with it: the log says what became of it.
+                dropped = Event(
+                    EventKind.DROPPED,
+                    now_ms,
+                    zone,
+                    format_id(msg_id),
+                    address,
+                    recipient_domain(address),
+                    id_time_ms(msg_id),
+                    text="commit failed (the client was told 4xx)",
+                )
+                ops.append(self._event_op(dropped))
+            ops.extend(self._message_deletes(msg_id))
+            self._counters.add(MESSAGES, -1)
+            self._receiving.pop(msg_id, None)
+            log.warning("removed message %016x: its commit failed (4xx) but landed", msg_id)
+        if ops:
+            try:
+                self._db.write([*ops, *self._seal()], sync=True)
+            except StorageUnavailable:
+                self._failed_commits.update(failed)  # the next reopen tries again
+                raise
 
     @property
     def failure(self) -> StorageUnavailable | None:

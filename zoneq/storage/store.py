@@ -137,9 +137,15 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin):
             for zone, key in ready.items():
                 self._cursor_back(zone, key)
 
+        def failed(future: asyncio.Future[None]) -> None:
+            if future.cancelled() or future.exception() is not None:
+                self._failed_commits[msg_id] = now_ms
+
         # Not visible before it is durable: nothing reads a message being committed (it
         # becomes leasable only once it has landed).
-        return self._writer.submit(ops, sync=self.sync_commits, effect=landed, visible=False)
+        landing = self._writer.submit(ops, sync=self.sync_commits, effect=landed, visible=False)
+        landing.add_done_callback(failed)
+        return landing
 
     async def abandon(self, msg_id: int) -> None:
         """The client went away mid-DATA (or the message was refused): remove its chunks."""
