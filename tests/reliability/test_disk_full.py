@@ -158,12 +158,6 @@ def test_no_acknowledged_message_is_lost_or_damaged(run: Run) -> None:
     assert run.state.counters == run.state.recount
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="a write failure clears the store's leases, so reports of deliveries in flight are "
-    "refused as stale and those recipients go out again, with no possible duplicate logged "
-    "(report to the lead)",
-)
 def test_extra_copies_only_where_a_possible_duplicate_was_logged(run: Run) -> None:
     assert not run.audit.unexplained_duplicates(run.logged), run.audit.duplicates
 

@@ -184,11 +184,6 @@ def test_the_store_heals_by_itself_once_the_fault_is_gone(run: Run) -> None:
     assert not run.core_restarted
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="a report the core cannot write comes back to the worker as an error, and the "
-    "worker exits (status 1; the supervisor restarts it 2 s later) (report to the lead)",
-)
 def test_workers_ride_out_a_storage_fault(run: Run) -> None:
     assert not run.workers_restarted
 
@@ -204,10 +199,5 @@ def test_no_acknowledged_message_is_lost_or_damaged(run: Run) -> None:
     assert run.state.counters == run.state.recount
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="a delivery that the remote took while the store was failed is delivered again "
-    "after the reopen, and no possible duplicate is logged for it (report to the lead)",
-)
 def test_extra_copies_only_where_a_possible_duplicate_was_logged(run: Run) -> None:
     assert not run.audit.unexplained_duplicates(run.logged), run.audit.duplicates

@@ -162,7 +162,19 @@ class Worker:
             else:
                 reports = [report for job in jobs for report in await self._deliver(job)]
             more = 0 if self.stopping.is_set() else 1
-            reply = await self._client.report(tuple(reports), lease_jobs=more)
+            try:
+                reply = await self._client.report(tuple(reports), lease_jobs=more)
+            except TemporaryFailure as exc:
+                if self._client.closed:
+                    raise  # the core is gone: exit, the supervisor decides what next
+                # The core could not take the report (its storage failed): it voids those
+                # leases itself and tries the recipients again, so drop them and go on.
+                log.warning(
+                    "loop %d: report of %d outcome(s) failed: %s", number, len(reports), exc
+                )
+                jobs = ()
+                await asyncio.sleep(1)
+                continue
             if reply.refused:
                 log.warning(
                     "core refused %d stale report(s) of %s",

@@ -685,10 +685,16 @@ async def _notify_all(plugins: PluginHost, calls: list[tuple[Hook, OutcomeArgs]]
 
 
 async def _guarded(token: int, operation: Awaitable[None]) -> int | None:
-    """The token if the store applied the operation, None if its lease was gone."""
+    """The token if the store applied the operation, None if its lease was gone or the
+    store could not write it.  After a storage fault every lease is void (the store logs
+    each as a possible duplicate and makes it ready again on reopen), so the report is
+    refused like a stale one and the worker goes on with its next job."""
     try:
         await operation
     except LeaseError:
+        return None
+    except StorageUnavailable as exc:
+        log.warning("report of lease %d not written, queue storage unavailable: %s", token, exc)
         return None
     return token
 
