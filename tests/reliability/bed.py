@@ -48,10 +48,12 @@ class Bed:
         max_age: str | None = None,
         storage: Mapping[str, str] | None = None,
         receiver: Mapping[str, str] | None = None,
+        delivery: Mapping[str, str] | None = None,
         data_dir: Path | None = None,
     ) -> Path:
         """zoneq's config for this bed; ``retry``/``max_age`` for the default zone,
-        ``storage`` and ``receiver`` keys (TOML values as text), ``data_dir`` for the queue."""
+        ``storage``, ``receiver`` and ``delivery`` keys (TOML values as text), ``data_dir``
+        for the queue."""
         path = write_serve_config(
             self.directory / "zoneq",
             mx_port=self.port,
@@ -68,6 +70,9 @@ class Bed:
         if receiver:
             lines = "".join(f"{k} = {v}\n" for k, v in receiver.items())
             text = text.replace("[receiver]\n", "[receiver]\n" + lines)
+        if delivery:
+            lines = "".join(f"{k} = {v}\n" for k, v in delivery.items())
+            text = text.replace("[delivery]\n", "[delivery]\n" + lines)
         if storage:
             text += "\n[storage]\n" + "".join(f"{k} = {v}\n" for k, v in storage.items())
         path.write_text(text)

@@ -1,7 +1,8 @@
 """A remote MX that is down for a while: delivery resumes by itself, no restart.
 
 down.test's MX is an address where nothing listens yet: connections are refused, the
-worker's dead-host cache marks the address dead (60 s the first time, ``hostcache.py``) and
+worker's dead-host cache marks the address dead (``delivery.dead_host_backoff`` the first
+time, 5 s here; ``hostcache.py``) and
 the recipients are deferred on a short retry schedule.  A few seconds later smtp-sink starts
 on that address.  Without any restart (the same core and worker PIDs throughout), every
 acknowledged message must reach it once the dead period has run out on its own (ZoneMTA's
@@ -24,7 +25,7 @@ from tests.support.smtpsink import run_smtp_sink
 pytestmark = pytest.mark.integration
 
 OUTAGE_S = 3.0
-DEAD_PERIOD_S = 60.0  # DeadHostCache's base: the first failure's dead period
+DEAD_PERIOD_S = 5.0  # delivery.dead_host_backoff: the first failure's dead period
 RESUME_LIMIT_S = DEAD_PERIOD_S + 30.0  # plus the retry interval, promotion and slack
 RECIPIENTS = ("d1@down.test", "d2@down.test")
 
@@ -34,7 +35,9 @@ def test_delivery_resumes_by_itself_after_the_remote_comes_back(tmp_path: Path) 
     dumps = Dumps()
     down_ip = loopback_ip()
     with mail_bed(tmp_path, remotes={"down.test": down_ip}) as bed:
-        config = bed.config(connections=4, retry="2s")
+        config = bed.config(
+            connections=4, retry="2s", delivery={"dead_host_backoff": f'"{DEAD_PERIOD_S:.0f}s"'}
+        )
         serve = start_serve(config, tmp_path / "serve.log")
         try:
             workers = serve.wait_ready(expected_workers=WORKERS)

@@ -259,6 +259,7 @@ class DeliveryConfig(_Section):
     """Connections at once per destination domain, across all of a zone's workers."""
 
     max_recipients: Annotated[int, Field(ge=1, le=1000)] = 50
+    """Recipients per SMTP transaction (Postfix's default is 50)."""
 
     domain_limits: ConnectionLimits = Field(default_factory=dict)
     """Per recipient domain, overriding ``domain_connections``: ``{ "gmail.com" = 20 }``."""
@@ -266,11 +267,19 @@ class DeliveryConfig(_Section):
     mx_limits: ConnectionLimits = Field(default_factory=dict)
     """Connections at once per MX host, whichever domains it serves (many domains share
     the big providers' MX hosts): ``{ ".google.com" = 40 }``."""
-    """Recipients per SMTP transaction (Postfix's default is 50)."""
+
+    dead_host_backoff: Duration = "60s"
+    """How long an MX address that refused or dropped a connection is skipped the first
+    time; each further failure doubles it, up to an hour, and it expires on its own
+    (``zoneq/delivery/hostcache.py``)."""
 
     @property
     def dns_timeout_s(self) -> float:
         return parse_duration(self.dns_timeout) / 1000
+
+    @property
+    def dead_host_backoff_s(self) -> float:
+        return parse_duration(self.dead_host_backoff) / 1000
 
 
 class RoutingConfig(_Section):

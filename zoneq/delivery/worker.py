@@ -37,6 +37,8 @@ from zoneq.ipc.client import IpcClient
 from zoneq.ipc.messages import Hello, Job, Outcome, RecipientReport
 from zoneq.plugin import PluginHost
 
+DEAD_HOST_CAP_S = 3600.0  # the longest an MX address is skipped after repeated failures
+
 log = logging.getLogger("zoneq.worker")
 
 LEASE_WAIT_MS = 5_000
@@ -100,7 +102,10 @@ class Worker:
         self._client = client
         self._settings = settings_for(config, zone)
         self._resolver = resolver_for(config)
-        self._dead_hosts = DeadHostCache(clock=time.monotonic)
+        backoff = config.delivery.dead_host_backoff_s
+        self._dead_hosts = DeadHostCache(
+            clock=time.monotonic, base=backoff, cap=max(backoff, DEAD_HOST_CAP_S)
+        )
         # One cache for all of this worker's loops: a connection one loop finished with is
         # the next loop's to reuse for the same destination.
         self._connections = ConnectionCache()
