@@ -81,7 +81,12 @@ def ok(config: Path, *args: str) -> Any:
 def write_big(path: Path) -> None:
     line = b"x" * 78 + b"\r\n"
     with path.open("wb") as out:
-        out.write(b"From: big@src.test\r\nTo: big@ok.test\r\nSubject: big\r\n\r\n")
+        # Date and Message-ID given, so the message is stored as sent (zoneq adds them
+        # when missing) and the stored size is the file's.
+        out.write(
+            b"From: big@src.test\r\nTo: big@ok.test\r\nSubject: big\r\n"
+            b"Date: Sat, 21 Nov 2026 10:00:00 +0000\r\nMessage-ID: <big@src.test>\r\n\r\n"
+        )
         block = line * (65_536 // len(line))
         written = 0
         while written < BIG:
