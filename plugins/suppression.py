@@ -7,15 +7,29 @@ for every zone:
 
 A suppressed recipient is refused at RCPT with 550 5.1.1 (``action = "refuse"``, the
 sender learns at once) or accepted and dropped with an event (``action = "drop"``, the
-sender's list is not told who is suppressed).  Addresses compare case-insensitively.  The
-file is read again when it changes, so the API or an operator can edit it in place
-(write a new file and rename it over the old one, so no reader sees half of it).
+sender's list is not told who is suppressed).
+
+Addresses compare case-insensitively, the local part included.  RFC 5321 section 2.4 lets
+a server treat local parts as case-sensitive but says exploiting that "impedes
+interoperability and is discouraged"; no large mailbox provider does.  For a suppression
+list the costly mistake is mailing someone who complained or unsubscribed, not skipping a
+mailbox that differs only in case, so the whole address is lower-cased (as most sending
+platforms' lists do).
+
+This module owns the file format: ``load_file``, ``save_file`` and ``normalize`` are what
+zoneq's API (``zoneq suppression ...``) uses to edit the list, so the two cannot disagree.
+A change is written to a new file and renamed over the old one, so no reader sees half of
+it; the plugin notices the change by the file's stat and parses it once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
+import threading
+import time
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -37,31 +51,107 @@ class Options(BaseModel):
     action: Literal["refuse", "drop"] = "refuse"
 
 
+# --- the file format ---------------------------------------------------------------------
+
+
+def normalize(address: str) -> str:
+    """The form an address is stored and compared in (see the module's docstring)."""
+    return address.lower()
+
+
+def parse(text: str, where: Path) -> dict[str, frozenset[str]]:
+    """The file's text as zone -> normalized addresses; ``ValueError`` naming the file."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{where}: not JSON: {exc}") from None
+    if not isinstance(data, dict) or not all(
+        isinstance(v, list) and all(isinstance(a, str) for a in v) for v in data.values()
+    ):
+        raise ValueError(f"{where}: expected an object of zone name -> [addresses]")
+    return {zone: frozenset(normalize(a) for a in v) for zone, v in data.items()}
+
+
+def load_file(path: Path) -> dict[str, frozenset[str]]:
+    return parse(path.read_text(encoding="utf-8"), path)
+
+
+def save_file(path: Path, zones: Mapping[str, Collection[str]]) -> None:
+    """Replace the file with ``zones`` atomically: a temporary file in the same directory,
+    fsync, rename over the old one, fsync the directory (so the rename survives a crash).
+
+    The new file's mtime is made later than the old one's even when the clock has not
+    ticked (file times are only as fine as the kernel's timer tick), so a reader comparing
+    stat results can never miss a change.  Empty zones are left out; addresses are sorted,
+    one per line, so the file diffs well.
+    """
+    data = {zone: sorted(addresses) for zone, addresses in sorted(zones.items()) if addresses}
+    text = json.dumps(data, indent=1, ensure_ascii=False) + "\n"
+    try:
+        old = os.stat(path)
+    except FileNotFoundError:
+        old = None
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            if old is not None:
+                os.fchmod(out.fileno(), old.st_mode & 0o7777)  # mkstemp makes it 0600
+                now = time.time_ns()
+                os.utime(out.fileno(), ns=(now, max(now, old.st_mtime_ns + 1)))
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def stamp(path: Path) -> tuple[int, int, int, int]:
+    """What changes when the file is replaced or edited: inode, mtime, ctime, size."""
+    st = os.stat(path)
+    return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+
+
+# --- the plugin --------------------------------------------------------------------------
+
+
 class SuppressionList:
-    """The file's contents, reloaded when its modification time or size changes."""
+    """The file's contents, parsed again only when its stat changes.
+
+    Every RCPT costs one ``stat``; a change costs one parse however many RCPTs arrive
+    while it is parsed (handlers run in worker threads: the others wait for that parse
+    rather than start their own, and see the new list once it is done).
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._stamp: tuple[int, int] | None = None
+        self.parses = 0
+        self._stamp: tuple[int, int, int, int] | None = None
         self._zones: dict[str, frozenset[str]] = {}
+        self._lock = threading.Lock()
         self.reload_if_changed()  # a missing or broken file fails start-up, not a delivery
 
     def reload_if_changed(self) -> None:
-        stat = os.stat(self.path)
-        stamp = (stat.st_mtime_ns, stat.st_size)
-        if stamp == self._stamp:
+        if stamp(self.path) == self._stamp:
             return
-        data = json.loads(self.path.read_text(encoding="utf-8"))
-        if not isinstance(data, dict) or not all(
-            isinstance(v, list) and all(isinstance(a, str) for a in v) for v in data.values()
-        ):
-            raise ValueError(f"{self.path}: expected an object of zone name -> [addresses]")
-        self._zones = {zone: frozenset(a.lower() for a in v) for zone, v in data.items()}
-        self._stamp = stamp
+        with self._lock:
+            current = stamp(self.path)
+            if current == self._stamp:  # another thread parsed it while this one waited
+                return
+            self._zones = load_file(self.path)
+            self._stamp = current
+            self.parses += 1
 
     def suppressed(self, zone: str, recipient: str) -> bool:
-        address = recipient.lower()
-        return address in self._zones.get(zone, frozenset()) or address in self._zones.get(
+        address = normalize(recipient)
+        zones = self._zones
+        return address in zones.get(zone, frozenset()) or address in zones.get(
             ALL_ZONES, frozenset()
         )
 
