@@ -20,6 +20,7 @@ from zoneq.api.context import CONTEXT, ApiContext
 from zoneq.api.errors import json_errors
 from zoneq.api.metrics import new_registry
 from zoneq.api.routes import setup_routes
+from zoneq.api.suppression_list import SuppressionLists
 from zoneq.api.token import ensure_token
 from zoneq.config import Config
 from zoneq.queue.admin import QueueAdmin
@@ -50,6 +51,7 @@ def create_app(
         clock=clock,
         token=token,
         registry=new_registry(store, admin),
+        suppression=SuppressionLists.from_config(config),
     )
     # A JSON submission is read whole (attachments in base64 are 4/3 of their size); raw
     # uploads are streamed and not bound by this.

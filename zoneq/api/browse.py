@@ -47,7 +47,7 @@ def _state(request: web.Request) -> State:
         raise ValueError(f"state: {text!r} is not one of {[s.value for s in State]}") from None
 
 
-def _limit(request: web.Request) -> int:
+def page_limit(request: web.Request) -> int:
     text = request.query.get("limit", str(DEFAULT_PAGE))
     if not text.isdigit() or not 1 <= int(text) <= MAX_PAGE:
         raise ValueError(f"limit: expected 1 to {MAX_PAGE}, got {text!r}")
@@ -76,7 +76,7 @@ async def browse(request: web.Request) -> web.Response:
         request.match_info["zone"],
         _state(request),
         cursor=request.query.get("cursor") or None,
-        limit=_limit(request),
+        limit=page_limit(request),
     )
     body = RecipientPage(
         recipients=[recipient_view(q) for q in page.recipients], cursor=page.cursor

@@ -56,7 +56,7 @@ def client_from(args: argparse.Namespace) -> ApiClient:
     return ApiClient(host, port, token)
 
 
-def _table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
+def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
@@ -81,7 +81,7 @@ def _counts(api: ApiClient, args: argparse.Namespace) -> Result:
         [zone, *(c[s] for s in STATES), "paused" if c["paused"] else ""]
         for zone, c in sorted(body["zones"].items())
     ]
-    text = _table(rows, ["zone", *STATES, ""]) + f"\n{body['messages']} message(s) queued"
+    text = table(rows, ["zone", *STATES, ""]) + f"\n{body['messages']} message(s) queued"
     return body, text
 
 
@@ -97,7 +97,7 @@ def _recipient_rows(recipients: list[dict[str, Any]]) -> str:
         ]
         for r in recipients
     ]
-    return _table(rows, ["message", "recipient", "state", "tries", "next attempt", "last reply"])
+    return table(rows, ["message", "recipient", "state", "tries", "next attempt", "last reply"])
 
 
 def _browse(api: ApiClient, args: argparse.Namespace) -> Result:
@@ -209,7 +209,7 @@ def _send(api: ApiClient, args: argparse.Namespace) -> Result:
     return body, f"queued as {body['id']} for {len(body['recipients'])} recipient(s)"
 
 
-def _run(action: Callable[[ApiClient, argparse.Namespace], Result]) -> Callable[..., int]:
+def run_action(action: Callable[[ApiClient, argparse.Namespace], Result]) -> Callable[..., int]:
     def run(args: argparse.Namespace) -> int:
         try:
             body, text = action(client_from(args), args)
@@ -231,7 +231,7 @@ def _run(action: Callable[[ApiClient, argparse.Namespace], Result]) -> Callable[
 # --- the parsers -------------------------------------------------------------------------
 
 
-def _connection() -> argparse.ArgumentParser:
+def connection_options() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", type=Path, default=None, help="a zones.toml file")
     common.add_argument("--api", default=None, help=f"host:port of the API (or {ENV_API})")
@@ -242,13 +242,13 @@ def _connection() -> argparse.ArgumentParser:
 
 def register(sub: Any) -> None:
     """Add ``queue`` and ``send`` to the ``zoneq`` command's subparsers."""
-    common = _connection()
+    common = connection_options()
     queue = sub.add_parser("queue", help="look at and manage the queue (through the API)")
     actions = queue.add_subparsers(dest="action", required=True)
 
     def add(name: str, text: str, action: Callable[[ApiClient, argparse.Namespace], Result]) -> Any:
         parser = actions.add_parser(name, help=text, parents=[common])
-        parser.set_defaults(func=_run(action))
+        parser.set_defaults(func=run_action(action))
         return parser
 
     add("counts", "recipients per zone and state", _counts)
@@ -292,4 +292,4 @@ def register(sub: Any) -> None:
     send.add_argument(
         "--to", action="append", default=[], help="envelope recipient (repeat); none: headers"
     )
-    send.set_defaults(func=_run(_send))
+    send.set_defaults(func=run_action(_send))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from zoneq.api.suppression_list import SuppressionLists
 from zoneq.config import Config
 from zoneq.queue.admin import QueueAdmin
 from zoneq.queue.intake import Intake
@@ -23,6 +24,8 @@ class ApiContext:
     clock: Callable[[], int]  # ms since the epoch
     token: str
     registry: CollectorRegistry
+    suppression: SuppressionLists | None = None
+    """The suppression plugin's list, None when ``[plugins.suppression]`` is not enabled."""
 
 
 CONTEXT = web.AppKey("context", ApiContext)

@@ -2,8 +2,10 @@
 fault it was.
 
 * the client's: 400 (bad input, named), 404 (no such message, zone or route), 405, 409 (the
-  operation does not apply to the message's state now), 413 (over the size limit);
-* ours, local and temporary (storage refusing writes, the free-space floor): 503 with
+  operation does not apply to the message's state now, or the suppression plugin that
+  would consult a list is not enabled), 413 (over the size limit);
+* ours, local and temporary (storage refusing writes, the free-space floor, a suppression
+  list file that cannot be read or written): 503 with
   ``Retry-After``, never 500, the HTTP form of SMTP's 4xx: nothing was stored, try again.
 """
 
@@ -16,6 +18,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from pydantic import ValidationError
 
+from zoneq.api.suppression_list import Unavailable
 from zoneq.errors import NotFound, StorageCorruption, TemporaryFailure
 from zoneq.queue.intake import TooLarge, Unacceptable
 
@@ -68,8 +71,11 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         return error_response(400, _validation_text(exc))
     except (TemporaryFailure, StorageCorruption) as exc:
         # Local trouble: the client keeps what it sent and tries again (SMTP's 4xx).
-        log.warning("%s %s: queue unavailable: %s", request.method, request.path, exc)
-        text = f"queue storage unavailable, try again later: {exc}"
+        log.warning("%s %s: unavailable: %s", request.method, request.path, exc)
+        if isinstance(exc, Unavailable):  # the suppression list's file, not the queue
+            text = f"{exc}; nothing was changed, try again once it is fixed"
+        else:
+            text = f"queue storage unavailable, try again later: {exc}"
         return error_response(503, text, {"Retry-After": RETRY_AFTER_S})
     except (NotFound, Unacceptable, ValueError, TooLarge, Conflict) as exc:
         status = next(code for kind, code in _CLIENT_FAULTS if isinstance(exc, kind))

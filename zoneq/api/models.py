@@ -125,3 +125,35 @@ class ErrorBody(_Body):
 
 class Error(_Body):
     error: ErrorBody
+
+
+class SuppressionAdd(_Body):
+    addresses: list[str] = Field(
+        min_length=1, max_length=100_000, description="each checked like RCPT TO's address"
+    )
+
+
+class SuppressionAdded(_Body):
+    zone: str
+    added: int = Field(description="how many were not listed yet")
+    total: int = Field(description="addresses on the zone's list now")
+
+
+class SuppressionPage(_Body):
+    zone: str
+    addresses: list[str] = Field(description="lower-cased, in sorted order")
+    total: int
+    cursor: str | None = Field(description="pass as ?cursor= for the next page; null: the end")
+
+
+class SuppressionCheck(_Body):
+    zone: str
+    address: str = Field(description="as stored and compared: lower-cased")
+    suppressed: bool
+    lists: list[str] = Field(description='the lists that hold it: the zone\'s and/or "*"')
+
+
+class SuppressionRemoved(_Body):
+    zone: str
+    address: str
+    removed: bool

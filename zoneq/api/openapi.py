@@ -40,6 +40,10 @@ def _param(name: str, where: str, text: str, *, required: bool = False) -> dict[
 MSG_ID: Final = _param("id", "path", "message id, 16 hex digits")
 ZONE: Final = _param("zone", "path", "zone name")
 STATE: Final = _param("state", "query", "ready (default), leased, deferred or held")
+LIST_ZONE: Final = _param("zone", "path", 'zone name, or "*" for the list every zone consults')
+ADDRESS: Final = _param(
+    "address", "query", "the address; compared lower-cased (RFC 5321 2.4)", required=True
+)
 
 
 def _op(
@@ -69,7 +73,8 @@ _ERRORS: Final = {
     400: "bad input, named in the message",
     401: "missing or wrong bearer token",
     404: "no such message or zone",
-    409: "nothing in the message is in a state the operation applies to",
+    409: "nothing in the message is in a state the operation applies to; for the "
+    "suppression routes: the suppression plugin is not enabled",
     413: "over receiver.max_message_size",
     503: "queue storage unavailable (local, temporary): nothing stored, try again",
 }
@@ -262,6 +267,39 @@ PATHS: Final[dict[str, dict[str, Any]]] = {
         )
     },
     "/api/v1/export/queue": {"get": _op("Every queued recipient, as NDJSON", NDJSON)},
+    "/api/v1/suppression/{zone}": {
+        "get": _op(
+            "A page of the zone's suppressed addresses, sorted (zone * applies to every zone)",
+            _json(models.SuppressionPage, "one page"),
+            params=(
+                LIST_ZONE,
+                _param("limit", "query", "1 to 1000, default 100"),
+                _param("cursor", "query", "the cursor of the previous page"),
+            ),
+            errors=(400, 404, 409, 503),
+        ),
+        "post": _op(
+            "Suppress one or many addresses in the zone (all checked before any is added)",
+            _json(models.SuppressionAdded, "how many were new"),
+            params=(LIST_ZONE,),
+            body={JSON: {"schema": _ref(models.SuppressionAdd)}},
+            errors=(400, 404, 409, 503),
+        ),
+        "delete": _op(
+            "Take ?address= off the zone's list (off the * list only when zone is *)",
+            _json(models.SuppressionRemoved, "removed"),
+            params=(LIST_ZONE, ADDRESS),
+            errors=(400, 404, 409, 503),
+        ),
+    },
+    "/api/v1/suppression/{zone}/check": {
+        "get": _op(
+            "Whether mail to ?address= is suppressed in the zone, and by which lists",
+            _json(models.SuppressionCheck, "the answer"),
+            params=(LIST_ZONE, ADDRESS),
+            errors=(400, 404, 409, 503),
+        ),
+    },
 }
 
 SCHEMAS: Final = (
@@ -278,6 +316,11 @@ SCHEMAS: Final = (
     models.MessageView,
     models.Error,
     models.ErrorBody,
+    models.SuppressionAdd,
+    models.SuppressionAdded,
+    models.SuppressionPage,
+    models.SuppressionCheck,
+    models.SuppressionRemoved,
 )
 
 

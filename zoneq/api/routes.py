@@ -7,7 +7,7 @@ from typing import Final
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from zoneq.api import browse, export, metrics, openapi, operations, submit
+from zoneq.api import browse, export, metrics, openapi, operations, submit, suppression
 
 V1: Final = "/api/v1"
 
@@ -35,6 +35,10 @@ ROUTES: Final[tuple[tuple[str, str, Handler], ...]] = (
     ("POST", f"{V1}/domains/{{domain}}/retry", operations.retry_domain),
     ("GET", f"{V1}/export/events", export.events),
     ("GET", f"{V1}/export/queue", export.queue),
+    ("GET", f"{V1}/suppression/{{zone}}", suppression.list_zone),
+    ("POST", f"{V1}/suppression/{{zone}}", suppression.add),
+    ("DELETE", f"{V1}/suppression/{{zone}}", suppression.remove),
+    ("GET", f"{V1}/suppression/{{zone}}/check", suppression.check),
 )
 
 
