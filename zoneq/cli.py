@@ -10,6 +10,7 @@ from pathlib import Path
 from zoneq import __version__, runtime
 from zoneq.analytics import command as analytics_command
 from zoneq.api import command as api_command
+from zoneq.api import suppression_command
 from zoneq.config import check_config, load_config
 from zoneq.delivery import worker
 from zoneq.errors import ConfigError, ListenError, StoreLocked
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_cmd_check_config)
 
     api_command.register(sub)  # zoneq queue ..., zoneq send
+    suppression_command.register(sub)  # zoneq suppression list|add|remove|check
     export_command.register(sub)
     analytics_command.register(sub)
     hash_password.register(sub)  # for receiver.auth_users
