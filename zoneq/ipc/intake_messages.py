@@ -31,6 +31,7 @@ Pure: no asyncio, no sockets.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
@@ -122,8 +123,15 @@ class ReceivedMessage:
 class MessageSink(Protocol):
     """Where the receiver puts what it accepts (see the module docstring)."""
 
-    async def admit(self, client: str) -> bool:
-        """Count a new connection from ``client``; False if it has too many already."""
+    def admit(self, client: str) -> asyncio.Future[bool]:
+        """Count a new connection from ``client``; False if it has too many already.
+
+        Already done when the answer is known at once (in the core): the receiver then
+        answers 421 instead of its greeting.  A receiver process has to ask the core; it
+        greets meanwhile and awaits the answer before it reads the first command, so the
+        round trip is not one more wait for every connection; a refusal is then the 421
+        reply to that command (RFC 5321 section 3.8 allows 421 to any command).
+        """
         ...
 
     def release(self, client: str) -> None:

@@ -160,7 +160,7 @@ class IntakeServer:
             (client,) = _shape(args, 1)
             if not isinstance(client, str):
                 raise ProtocolError("ADMIT: client is not a string")
-            admitted = await sink.admit(client)
+            admitted = await sink.admit(client) is True
             if admitted:
                 child.clients[client] += 1
             return admitted
@@ -173,11 +173,11 @@ class IntakeServer:
             child.open.add(msg_id)
             return msg_id
         if op is Op.CHUNK:
-            msg_id, index, data = _shape(args, 3)
-            if not (self._owned(child, msg_id) and _is_rid(index) and isinstance(data, bytes)):
+            owner, index, data = _shape(args, 3)
+            if not (self._owned(child, owner) and _is_rid(index) and isinstance(data, bytes)):
                 raise ProtocolError("CHUNK: not an open message of this receiver")
-            assert isinstance(msg_id, int) and isinstance(index, int)
-            await sink.write_chunk(msg_id, index, data)
+            assert isinstance(owner, int) and isinstance(index, int)
+            await sink.write_chunk(owner, index, data)
             return None
         message_obj, recipients_obj, now_ms, tail = _shape(args, 4)
         message = decode_message(message_obj)
@@ -229,9 +229,8 @@ class IntakeServer:
             for _ in range(count):
                 self._sink.release(client)
         child.clients.clear()
-        log.info(
-            "receiver %s disconnected: %d message(s) in progress abandoned", child.name, len(doomed)
-        )
+        # Spare ids begun ahead (intake_client.py) are among them when the child crashed.
+        log.info("receiver %s disconnected: %d open message(s) abandoned", child.name, len(doomed))
 
 
 def _is_rid(value: object) -> bool:
