@@ -16,6 +16,7 @@ from zoneq.delivery import worker
 from zoneq.errors import ConfigError, ListenError, StoreLocked
 from zoneq.export import command as export_command
 from zoneq.receiver import hash_password
+from zoneq.receiver import process as receiver_process
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -42,6 +43,15 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         print(f"zoneq worker: no zone {args.zone!r} in the configuration", file=sys.stderr)
         return 2
     return worker.main(config, args.zone, args.name)
+
+
+def _cmd_receiver(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"zoneq receiver: configuration error:\n{exc}", file=sys.stderr)
+        return 2
+    return receiver_process.main(config, args.name, args.listen_fd, args.intake_fd)
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
@@ -71,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--name", required=True)
     work.add_argument("--config", type=Path, default=None)
     work.set_defaults(func=_cmd_worker)
+
+    rx = sub.add_parser("receiver", help="an SMTP receiver (started by serve, not by hand)")
+    rx.add_argument("--name", required=True)
+    rx.add_argument("--listen-fd", type=int, required=True, help="the core's listening socket")
+    rx.add_argument("--intake-fd", type=int, required=True, help="the socket to the core")
+    rx.add_argument("--config", type=Path, default=None)
+    rx.set_defaults(func=_cmd_receiver)
 
     check = sub.add_parser("check-config", help="validate a config file and name each problem")
     check.add_argument("config", type=Path, nargs="?", default=None)

@@ -7,7 +7,10 @@ workers over the IPC socket; the supervisor starts ``processes`` workers per zon
 restarts the ones that die; deferred recipients are promoted when due; and maintenance runs
 while the process lives (orphan sweeps, event retention, compaction, the disk reserve).
 The SMTP receiver accepts mail on ``receiver.listen`` and is the first thing stopped on
-SIGTERM (sessions get 421, messages mid-DATA are abandoned); the HTTP API (``zoneq.api``)
+SIGTERM (sessions get 421, messages mid-DATA are abandoned).  It runs in the core, or with
+``receiver.processes`` > 0 in that many receiver processes: the core binds the listening
+socket, hands it to each, and serves their queue requests (``zoneq.ipc.intake_server``) on
+the store through the same ``StoreSink`` the in-core receiver uses; the HTTP API (``zoneq.api``)
 on ``api.listen`` is stopped right after it.  A port that cannot be bound stops serve at
 start with the address named (``ListenError``).
 
@@ -21,8 +24,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -32,11 +36,13 @@ from zoneq.api.app import start_api
 from zoneq.config import Config
 from zoneq.errors import ListenError, StorageUnavailable
 from zoneq.ipc.core import QueueHandler
+from zoneq.ipc.intake_messages import ConnectionCounts, ReceivedMessage, ReceivedRecipient
+from zoneq.ipc.intake_server import IntakeServer
 from zoneq.ipc.server import IpcServer
 from zoneq.plugin import PluginHost
 from zoneq.queue.service import QueueService
 from zoneq.receiver.server import SmtpReceiver
-from zoneq.storage.records import State
+from zoneq.storage.records import MessageMeta, NewRecipient, State
 from zoneq.storage.store import QueueStore
 from zoneq.supervisor import Supervisor
 
@@ -129,9 +135,7 @@ async def serve(config: Config, config_path: Path | None = None) -> None:
         )
         if api is not None:
             running.push_async_callback(api.close)  # stopped right after the receiver
-        receiver = SmtpReceiver(store, config, clock=now_ms)
-        await _listening("SMTP receiver", config.receiver.listen, receiver.start())
-        running.push_async_callback(receiver.close)
+        await _start_receiving(running, StoreSink(store, config), config, config_path)
         log.info("accepting SMTP on %s", config.receiver.listen)
         await supervisor.start()
         while not stop.is_set():
@@ -139,6 +143,86 @@ async def serve(config: Config, config_path: Path | None = None) -> None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), config.storage.sweep_interval_ms / 1000)
         log.info("stopping: %s", describe(store))
+
+
+class StoreSink:
+    """The receiver's ``MessageSink`` on the store: in the core's own receiver, and behind
+    the intake server for receiver processes.  Connections per client are counted here,
+    once for all receivers, so ``max_connections_per_client`` holds across processes."""
+
+    def __init__(self, store: QueueStore, config: Config) -> None:
+        self._store = store
+        self._clients = ConnectionCounts(config.receiver.max_connections_per_client)
+
+    def admit(self, client: str) -> asyncio.Future[bool]:
+        answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        answer.set_result(self._clients.admit(client))
+        return answer
+
+    def release(self, client: str) -> None:
+        self._clients.release(client)
+
+    async def begin(self, now_ms: int, size_hint: int) -> int:
+        return self._store.begin(now_ms, size_hint)
+
+    async def write_chunk(self, msg_id: int, index: int, data: bytes) -> None:
+        await self._store.write_chunk(msg_id, index, data)
+
+    def commit(
+        self,
+        message: ReceivedMessage,
+        recipients: Sequence[ReceivedRecipient],
+        now_ms: int,
+        *,
+        tail: bytes | None,
+    ) -> asyncio.Future[None]:
+        m = message
+        meta = MessageMeta(
+            m.msg_id,
+            m.sender,
+            m.size,
+            m.chunks,
+            m.received_ms,
+            ret=m.ret,
+            envid=m.envid,
+            smtputf8=m.smtputf8,
+            body_8bit=m.body_8bit,
+            headers=m.headers,
+            source=m.source,
+        )
+        news = [NewRecipient(r.address, r.zone, r.notify, r.orcpt) for r in recipients]
+        return self._store.commit(meta, news, now_ms, tail=tail)
+
+    async def abandon(self, msg_id: int) -> None:
+        await self._store.abandon(msg_id)
+
+
+async def _start_receiving(
+    running: contextlib.AsyncExitStack, sink: StoreSink, config: Config, config_path: Path | None
+) -> None:
+    """The receiver in the core, or ``receiver.processes`` of them; each stop is pushed so
+    that the receivers go first (then the listening socket, then the intake server)."""
+    listen = config.receiver.listen
+    if config.receiver.processes == 0:
+        receiver = SmtpReceiver(sink, config, clock=now_ms)
+        await _listening("SMTP receiver", listen, receiver.start())
+        running.push_async_callback(receiver.close)
+        return
+    intake = IntakeServer(sink)
+    running.push_async_callback(intake.close)
+    listener = await _listening("SMTP receiver", listen, _bind(*config.receiver.listen_address))
+    running.callback(listener.close)
+    receivers = Supervisor.receivers(
+        config.receiver.processes, config_path, listener=listener, attach=intake.attach, grace=15
+    )
+    running.push_async_callback(receivers.stop)
+    await receivers.start()
+
+
+async def _bind(host: str, port: int) -> socket.socket:
+    """The receiver processes' listening socket (they accept on it, the core does not)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
 
 
 async def _listening(what: str, address: str, starting: Awaitable[T]) -> T:

@@ -1,10 +1,21 @@
-"""Starts the zone worker processes, restarts the ones that die, stops them on shutdown.
+"""Starts zoneq's child processes, restarts the ones that die, stops them on shutdown.
 
-Each worker runs as ``python -m zoneq worker --zone Z --name N [--config F]``.  A worker that
-exits while zoneq is running is restarted after a delay that doubles with each quick
-failure (1 s up to 30 s), so a worker that cannot start does not spin.  On shutdown every
-worker gets SIGTERM (it finishes the jobs in hand), then SIGKILL after ``grace`` seconds;
-always by PID, and only the processes started here.
+Two kinds of children, one supervisor class:
+
+* zone workers, ``python -m zoneq worker --zone Z --name N [--config F]``
+  (``Supervisor(workers, ...)``);
+* SMTP receiver processes, ``python -m zoneq receiver --name R --listen-fd L --intake-fd I
+  [--config F]`` (``Supervisor.receivers``).  Each start hands the child two descriptors
+  (``pass_fds``): the listening socket the core bound (every receiver accepts on it and the
+  kernel spreads the connections), and its end of a fresh Unix socket pair whose other end
+  the core serves with ``IntakeServer``: the child's queue, and the way the core sees it
+  die (EOF) and abandons what it had in progress.
+
+A child that exits while zoneq is running is restarted after a delay that doubles with each
+quick failure (1 s up to 30 s), so a child that cannot start does not spin.  On shutdown
+every child gets SIGTERM (a worker finishes the jobs in hand, a receiver answers 421 and
+finishes or abandons its messages), then SIGKILL after ``grace`` seconds; always by PID,
+and only the processes started here.  serve stops the receivers' supervisor first.
 """
 
 from __future__ import annotations
@@ -13,8 +24,10 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,13 +35,17 @@ log = logging.getLogger("zoneq.supervisor")
 
 MIN_DELAY_S = 1.0
 MAX_DELAY_S = 30.0
-STABLE_S = 60.0  # a worker that ran this long resets the delay
+STABLE_S = 60.0  # a child that ran this long resets the delay
+
+# Attaches the core's end of a new socket pair to the intake server, under a child's name.
+Attach = Callable[[socket.socket, str], Awaitable[None]]
 
 
 @dataclass
 class _Slot:
-    zone: str
+    kind: str  # "worker" or "receiver": the subcommand, and the word in the logs
     name: str
+    args: list[str]
     process: asyncio.subprocess.Process | None = None
     delay: float = MIN_DELAY_S
     started: float = 0.0
@@ -36,30 +53,49 @@ class _Slot:
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
+@dataclass(frozen=True)
+class _Sockets:
+    """What each receiver process is handed."""
+
+    listener: socket.socket
+    attach: Attach
+
+
 class Supervisor:
     def __init__(
         self, workers: dict[str, int], config_path: Path | None, grace: float = 30.0
     ) -> None:
         self._slots = [
-            _Slot(zone, f"{zone}-{n}")
+            _Slot("worker", f"{zone}-{n}", ["--zone", zone, "--name", f"{zone}-{n}"])
             for zone, count in sorted(workers.items())
             for n in range(count)
         ]
         self._config_path = config_path
         self._grace = grace
         self._stopping = False
+        self._sockets: _Sockets | None = None
 
-    def _command(self, slot: _Slot) -> list[str]:
-        command = [
-            sys.executable,
-            "-m",
-            "zoneq",
-            "worker",
-            "--zone",
-            slot.zone,
-            "--name",
-            slot.name,
+    @classmethod
+    def receivers(
+        cls,
+        count: int,
+        config_path: Path | None,
+        *,
+        listener: socket.socket,
+        attach: Attach,
+        grace: float = 30.0,
+    ) -> Supervisor:
+        """``count`` receiver processes accepting on ``listener``, each with a socket to
+        the core that ``attach`` serves."""
+        supervisor = cls({}, config_path, grace)
+        supervisor._slots = [
+            _Slot("receiver", f"receiver-{n}", ["--name", f"receiver-{n}"]) for n in range(count)
         ]
+        supervisor._sockets = _Sockets(listener, attach)
+        return supervisor
+
+    def _command(self, slot: _Slot, *extra: str) -> list[str]:
+        command = [sys.executable, "-m", "zoneq", slot.kind, *slot.args, *extra]
         if self._config_path is not None:
             command += ["--config", str(self._config_path)]
         return command
@@ -70,9 +106,22 @@ class Supervisor:
             slot.task = asyncio.create_task(self._watch(slot))
 
     async def _spawn(self, slot: _Slot) -> None:
-        slot.process = await asyncio.create_subprocess_exec(*self._command(slot))
+        if self._sockets is None:
+            slot.process = await asyncio.create_subprocess_exec(*self._command(slot))
+        else:
+            core_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                await self._sockets.attach(core_end, slot.name)
+                fds = (self._sockets.listener.fileno(), child_end.fileno())
+                fd_args = ("--listen-fd", str(fds[0]), "--intake-fd", str(fds[1]))
+                command = self._command(slot, *fd_args)
+                slot.process = await asyncio.create_subprocess_exec(*command, pass_fds=fds)
+            finally:
+                # The child has its copy; ours must go, or the core would never see EOF
+                # when the child dies.
+                child_end.close()
         slot.started = time.monotonic()
-        log.info("worker %s started (pid %d)", slot.name, slot.process.pid)
+        log.info("%s %s started (pid %d)", slot.kind, slot.name, slot.process.pid)
 
     async def _watch(self, slot: _Slot) -> None:
         while not self._stopping:
@@ -83,7 +132,8 @@ class Supervisor:
             ran = time.monotonic() - slot.started
             slot.delay = MIN_DELAY_S if ran >= STABLE_S else min(slot.delay * 2, MAX_DELAY_S)
             log.warning(
-                "worker %s (pid %d) exited with %s after %.1f s; restarting in %.0f s",
+                "%s %s (pid %d) exited with %s after %.1f s; restarting in %.0f s",
+                slot.kind,
                 slot.name,
                 slot.process.pid,
                 code,
@@ -114,7 +164,7 @@ class Supervisor:
             for process in running:
                 if process.returncode is None:
                     log.warning(
-                        "worker pid %d did not stop in %.0f s: killing", process.pid, self._grace
+                        "child pid %d did not stop in %.0f s: killing", process.pid, self._grace
                     )
                     with contextlib.suppress(ProcessLookupError):
                         process.kill()

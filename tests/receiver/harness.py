@@ -21,6 +21,7 @@ from tests.support.testbed import missing
 from zoneq.config.model import Config
 from zoneq.protocol.ids import parse_id
 from zoneq.receiver import SmtpReceiver
+from zoneq.runtime import StoreSink
 from zoneq.storage import keys
 from zoneq.storage.leveldb import Database
 from zoneq.storage.store import QueueStore
@@ -48,7 +49,8 @@ def run(tmp_path: Path, body: Body, *, db: type[Database] = Database, **receiver
     async def main() -> None:
         store = QueueStore(db(tmp_path / "queue"))
         store.recover()
-        rx = SmtpReceiver(store, make_config(**receiver), clock=lambda: T0)
+        config = make_config(**receiver)
+        rx = SmtpReceiver(StoreSink(store, config), config, clock=lambda: T0)
         await rx.start()
         try:
             await asyncio.wait_for(body(rx, store), TIMEOUT)

@@ -59,3 +59,19 @@ def test_each_problem_names_its_key(
     assert found[0].startswith(key), found
     assert words in found[0], found
     assert "hunter2" not in found[0]  # a password pasted by mistake is not echoed
+
+
+@pytest.mark.parametrize(
+    ("value", "loads"),
+    [("0", 0), ("1", 1), ("4", 4), ("64", 64), ("-1", None), ("65", None), ('"two"', None)],
+)
+def test_processes_is_checked_and_defaults_to_the_core(
+    tmp_path: Path, value: str, loads: int | None
+) -> None:
+    assert load_config(None).receiver.processes == 0  # in the core unless configured
+    found = problems(tmp_path, f"processes = {value}\n")
+    if loads is None:
+        assert len(found) == 1 and found[0].startswith("receiver.processes"), found
+    else:
+        assert found == []
+        assert load_config(tmp_path / "zones.toml").receiver.processes == loads

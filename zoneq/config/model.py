@@ -374,6 +374,17 @@ class ReceiverConfig(_Section):
     max_connections_per_client: Annotated[int, Field(ge=1)] = 50
     """Concurrent sessions from one client address; more are answered 421 4.7.0."""
 
+    processes: Annotated[int, Field(ge=0, le=64)] = 0
+    """SMTP receiver processes accepting on ``listen`` and handing mail to the core over a
+    socket; 0 (the default) runs the receiver inside the core, one event loop for all.
+
+    The in-core receiver uses the least CPU per message, but its one thread bounds the
+    accept rate (about 1 / 0.5 ms in tools/bench/accept_bench.py); N processes spend ~30%
+    (N=1) to ~60% (N=3) more CPU per message and bring the busiest thread down to about
+    0.5 / 0.3 / 0.23 ms for N = 1 / 2 / 3.  On 2 cores, 1 was faster than 0 in 8 of 10
+    paired runs (median +11%) and 2 or 3 were not; with cores to spare, use about one per
+    core beyond the two that the core process and its syncs need."""
+
     min_data_rate: Annotated[int, Field(ge=0)] = 500
     """Octets per second of message text that earn a slow client more time: each request
     (a command, or the text after 354) must complete within ``idle_timeout`` plus this

@@ -3,16 +3,19 @@
 Theory of operation
 -------------------
 The protocol lives in ``zoneq.protocol.smtp_server`` (sans-IO); this module owns the
-sockets and the queue.  Each session is one task running a simple loop: read some bytes,
-feed them to the machine, act on every event that comes back (deciding the ones that wait
-for a decision, storing body chunks), write the replies, read again.  The task awaits each
-decision and each chunk write before it reads more, so a client that sends faster than the
-queue writes is held back by TCP (the machine documents that the driver should stop
-reading while a decision is pending); other sessions are separate tasks and go on.
+sockets; what it accepts goes to a ``MessageSink`` (``zoneq.ipc.intake_messages``): the
+queue store itself when the receiver runs in the core, the core over a socket when it runs
+in receiver processes (``receiver.processes``; ``process.py``).  Each session is one task
+running a simple loop: read some bytes, feed them to the machine, act on every event that
+comes back (deciding the ones that wait for a decision, storing body chunks), write the
+replies, read again.  The task awaits each decision and each chunk write before it reads
+more, so a client that sends faster than the queue writes is held back by TCP (the machine
+documents that the driver should stop reading while a decision is pending); other sessions
+are separate tasks and go on.
 
-A message's life in a session: ``store.begin`` at MAIL (452/451 if the queue refuses), a
+A message's life in a session: ``sink.begin`` at MAIL (452/451 if the queue refuses), a
 ``Received:`` field first in the text at DATA, chunks of ``storage.chunk_size`` written as
-they fill, and at the final dot one ``store.commit`` with the last partial chunk as its
+they fill, and at the final dot one ``sink.commit`` with the last partial chunk as its
 tail.  Only once the commit has returned (the batch is synced) does the client get 250.
 Everything that ends a transaction otherwise (a refusal, RSET, a new EHLO, QUIT, the client
 going away, the server closing) abandons the message, removing any chunk written.
@@ -20,7 +23,10 @@ going away, the server closing) abandons the message, removing any chunk written
 Choices:
 
 * Local faults are never 5xx: a queue that refuses anything answers 451 4.3.0 (452 4.3.1
-  for the free-space floor), so the client keeps the message and retries.
+  for the free-space floor), so the client keeps the message and retries.  A sink that is
+  gone for good (``CoreUnreachable``: the core died) ends the session with 421 4.3.0.
+* Connections per client address are counted by the sink (``admit``), in the core, so the
+  limit holds across receiver processes.
 * Relaying: clients in ``receiver.allow_networks`` and clients that authenticated; others
   get 554 5.7.1 at RCPT.  Source routes and the percent hack are refused from everyone
   (``relay.py``).
@@ -39,12 +45,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Final
 
 from zoneq.config.model import Config
 from zoneq.errors import InsufficientStorage, ZoneqError
+from zoneq.ipc.intake_messages import (
+    CoreUnreachable,
+    MessageSink,
+    ReceivedMessage,
+    ReceivedRecipient,
+)
 from zoneq.protocol.dsn import Notify
 from zoneq.protocol.ids import format_id
 from zoneq.protocol.replies import INSUFFICIENT_STORAGE, LOCAL_ERROR, EnhancedStatus, Reply
@@ -76,8 +89,6 @@ from zoneq.receiver.message import (
 )
 from zoneq.receiver.relay import RELAY_DENIED, RelayPolicy, address_refusal
 from zoneq.receiver.tls import server_context, start_tls
-from zoneq.storage.records import MessageMeta, NewRecipient
-from zoneq.storage.store import QueueStore
 
 __all__ = ["SmtpReceiver", "route"]
 
@@ -92,6 +103,12 @@ def _r(code: int, text: str, klass: int, subject: int, detail: int) -> Reply:
 
 
 MAIL_LOOP: Final = _r(554, "Too many Received headers: mail loop detected", 5, 4, 6)
+TOO_MANY: Final = "Too many connections from your address"  # 421 4.7.0 (RFC 3463 3.8)
+
+
+def _counted(admission: asyncio.Future[bool]) -> bool:
+    """Whether a settled admission counted the connection (a failed one did not)."""
+    return not admission.cancelled() and admission.exception() is None and admission.result()
 
 
 def _bye(code_text: str, klass: int, subject: int, detail: int, hostname: str) -> Reply:
@@ -109,10 +126,10 @@ def _notify_keywords(notify: frozenset[Notify] | None) -> tuple[str, ...]:
 
 
 class SmtpReceiver:
-    """Accepts mail over SMTP into ``store``.  ``clock`` returns milliseconds since the epoch."""
+    """Accepts mail over SMTP into ``sink``.  ``clock`` returns milliseconds since the epoch."""
 
-    def __init__(self, store: QueueStore, config: Config, *, clock: Callable[[], int]) -> None:
-        self.store = store
+    def __init__(self, sink: MessageSink, config: Config, *, clock: Callable[[], int]) -> None:
+        self.sink = sink
         self.config = config
         self.clock = clock
         self.hostname = config.server.resolved_hostname()
@@ -126,13 +143,17 @@ class SmtpReceiver:
         self._server: asyncio.Server | None = None
         self._port = 0
         self._sessions: set[_Session] = set()
-        self._per_client: dict[str, int] = {}
         self._closing = False
 
-    async def start(self) -> None:
-        """Listen on ``receiver.listen``."""
-        host, port = self.config.receiver.listen_address
-        self._server = await asyncio.start_server(self._accept, host, port)
+    async def start(self, sock: socket.socket | None = None) -> None:
+        """Listen on ``receiver.listen``, or accept on ``sock``, a listening socket that the
+        core bound and handed to this receiver process (and its siblings: the kernel
+        spreads the connections among the processes accepting on it)."""
+        if sock is not None:
+            self._server = await asyncio.start_server(self._accept, sock=sock)
+        else:
+            host, port = self.config.receiver.listen_address
+            self._server = await asyncio.start_server(self._accept, host, port)
         self._port = int(self._server.sockets[0].getsockname()[1])
 
     @property
@@ -167,27 +188,48 @@ class SmtpReceiver:
         if self._closing:
             writer.close()
             return
-        count = self._per_client.get(ip, 0)
-        if count >= self.config.receiver.max_connections_per_client:
-            bye = _bye("Too many connections from your address", 4, 7, 0, self.hostname)
-            with contextlib.suppress(ConnectionError):
-                writer.write(bye.to_wire())
-                await writer.drain()
-            writer.close()
+        try:
+            admission = self.sink.admit(ip)
+        except CoreUnreachable:
+            await self._turn_away(writer, "Service not available, queue unreachable", 3, 0)
             return
-        self._per_client[ip] = count + 1
-        session = _Session(self, reader, writer, ip)
+        if admission.done() and not _counted(admission):
+            if admission.exception() is not None:
+                await self._turn_away(writer, "Service not available, queue unreachable", 3, 0)
+            else:
+                await self._turn_away(writer, TOO_MANY, 7, 0)
+            return
+        session = _Session(self, reader, writer, ip, admission)
         session.task = asyncio.current_task()
         self._sessions.add(session)
         try:
             await session.run()
         finally:
             self._sessions.discard(session)
-            left = self._per_client.get(ip, 1) - 1
-            if left > 0:
-                self._per_client[ip] = left
+            # Released as soon as the socket is closed, before waiting for the close to
+            # finish: the client may be connecting again already, perhaps to another
+            # receiver process, and the count is shared.  An answer still on its way is
+            # released when it comes, if it counted the connection.
+            if admission.done():
+                self._release(admission, ip)
             else:
-                self._per_client.pop(ip, None)
+                admission.add_done_callback(lambda _: self._release(admission, ip))
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), 1.0)
+
+    def _release(self, admission: asyncio.Future[bool], ip: str) -> None:
+        if _counted(admission):
+            self.sink.release(ip)
+
+    async def _turn_away(
+        self, writer: asyncio.StreamWriter, text: str, subject: int, detail: int
+    ) -> None:
+        """421 instead of the greeting (RFC 5321 section 3.1), then close."""
+        bye = _bye(text, 4, subject, detail, self.hostname)
+        with contextlib.suppress(ConnectionError):
+            writer.write(bye.to_wire())
+            await writer.drain()
+        writer.close()
 
 
 class _Session:
@@ -199,10 +241,13 @@ class _Session:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         ip: str,
+        admission: asyncio.Future[bool],
     ) -> None:
         config = receiver.config
+        # Awaited before the first command when the sink could not answer at once.
+        self.admission: asyncio.Future[bool] | None = None if admission.done() else admission
         self.receiver = receiver
-        self.store = receiver.store
+        self.sink = receiver.sink
         self.reader = reader
         self.writer = writer
         self.ip = ip
@@ -226,7 +271,7 @@ class _Session:
         # The transaction
         self.msg_id: int | None = None
         self.mail: MailFrom | None = None
-        self.recipients: list[NewRecipient] = []
+        self.recipients: list[ReceivedRecipient] = []
         self.buffer = bytearray()
         self.index = 0  # chunks written
         self.size = 0  # octets stored (written and buffered)
@@ -261,6 +306,8 @@ class _Session:
                     break
                 if not data:
                     break  # the client went away
+                if self.admission is not None and not await self._admitted():
+                    break
                 await self._handle(self.conn.receive(data))
                 out = self.conn.data_to_send()
                 if out:
@@ -272,13 +319,16 @@ class _Session:
                 raise
             # close() interrupted a read: say goodbye below.
             self._say_bye("Service shutting down", 4, 3, 2)
+        except CoreUnreachable as exc:
+            # The core is gone: nothing can be queued, so the client must go elsewhere or
+            # come back (RFC 5321 section 3.8); its message was not acknowledged.
+            log.warning("session from %s ends: %s", self.ip, exc)
+            self._say_bye("Service not available, queue unreachable", 4, 3, 0)
         except (ConnectionError, OSError, _SessionOver):
             pass  # the client went away mid-write, or the TLS handshake failed
         finally:
             await self._end_transaction()
-            self.writer.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.writer.wait_closed(), 1.0)
+            self.writer.close()  # SmtpReceiver._accept waits for the close
 
     async def _read(self) -> bytes | None:
         """The next bytes from the client ("" at EOF), or None when the request in progress
@@ -301,6 +351,16 @@ class _Session:
             self._waiting_input = False
         deadline.spend(loop.time() - started, len(data) if in_data else 0)
         return data
+
+    async def _admitted(self) -> bool:
+        """The sink's late answer to this connection; False (after a 421) if refused."""
+        assert self.admission is not None
+        admitted = await asyncio.shield(self.admission)
+        self.admission = None
+        if admitted is not True:
+            log.warning("refusing %s: too many connections from that address", self.ip)
+            self._say_bye(TOO_MANY, 4, 7, 0)
+        return admitted is True
 
     def _say_bye(self, text: str, klass: int, subject: int, detail: int) -> None:
         with contextlib.suppress(Exception):
@@ -363,7 +423,9 @@ class _Session:
         await self._end_transaction()  # none should be left; never leak one
         now = self.receiver.clock()
         try:
-            msg_id = self.store.begin(now, size_hint=event.size or 0)
+            msg_id = await self.sink.begin(now, event.size or 0)
+        except CoreUnreachable:
+            raise
         except InsufficientStorage as exc:
             log.warning("refusing MAIL from %s: %s", self.ip, exc)
             return self.conn.reject(INSUFFICIENT_STORAGE)
@@ -384,7 +446,7 @@ class _Session:
             return self.conn.reject(RELAY_DENIED)
         zone = route(self.receiver.config, address)
         notify = _notify_keywords(event.notify)
-        self.recipients.append(NewRecipient(address, zone, notify=notify, orcpt=event.orcpt))
+        self.recipients.append(ReceivedRecipient(address, zone, notify, event.orcpt))
         return self.conn.accept()
 
     def _data_start(self) -> list[Event]:
@@ -424,7 +486,9 @@ class _Session:
                 if self.fault is not None:
                     break
             try:
-                await self.store.write_chunk(self.msg_id, self.index, piece)
+                await self.sink.write_chunk(self.msg_id, self.index, piece)
+            except CoreUnreachable:
+                raise
             except ZoneqError as exc:
                 log.warning("message %s: chunk write failed: %s", format_id(self.msg_id), exc)
                 self.fault = LOCAL_ERROR
@@ -454,7 +518,7 @@ class _Session:
             return self.conn.reject(fault)
         chunks = self.index + (1 if tail is not None else 0)
         mail = self.mail
-        meta = MessageMeta(
+        message = ReceivedMessage(
             msg_id=msg_id,
             sender=mail.address,
             size=self.size,
@@ -471,8 +535,10 @@ class _Session:
         self.writer.write(self.conn.data_to_send())
         try:
             await asyncio.shield(
-                self.store.commit(meta, self.recipients, self.receiver.clock(), tail=tail)
+                self.sink.commit(message, self.recipients, self.receiver.clock(), tail=tail)
             )
+        except CoreUnreachable:
+            raise
         except (ZoneqError, ValueError) as exc:
             log.warning("message %s: commit failed: %s", format_id(msg_id), exc)
             await self._end_transaction()
@@ -509,7 +575,7 @@ class _Session:
         if msg_id is None:
             return
         try:
-            await asyncio.shield(self.store.abandon(msg_id))
+            await asyncio.shield(self.sink.abandon(msg_id))
         except ZoneqError as exc:
             # The sweep removes the chunks later (the receiving marker stays).
             log.warning("message %s: abandon failed: %s", format_id(msg_id), exc)

@@ -1,0 +1,72 @@
+"""``zoneq receiver``: one SMTP receiver process of ``receiver.processes`` (started by serve).
+
+Why processes: one event loop serving SMTP sessions is bound by its own thread (the
+receiver's work per message is mostly the event loop's and the replies' send calls, seven
+per message from a client that does not pipeline), so a single process accepts at most
+about 1 / (CPU per message).  Several processes accepting on one listening socket spread
+the sessions over the cores; the queue stays in the core, which each receiver reaches
+through the socket the supervisor handed it (``zoneq.ipc.intake_client``).
+
+The process runs the same ``SmtpReceiver`` as the core would, with ``IntakeClient`` as its
+sink, until SIGTERM (it then stops accepting, answers 421 4.3.2 to new commands and lets
+commits in flight finish, as the in-core receiver does) or until the core's socket closes
+(the core died: sessions get 421 4.3.0 and the process exits 1, releasing the listening
+socket, so a restarted core can bind its port again).  Its clock reads the wall clock for
+the Received field and the message's arrival time, as the core's does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+
+import uvloop
+
+from zoneq.config.model import Config
+from zoneq.ipc.intake_client import IntakeClient
+from zoneq.receiver.server import SmtpReceiver
+
+__all__ = ["main", "run"]
+
+log = logging.getLogger("zoneq.receiver")
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def main(config: Config, name: str, listen_fd: int, intake_fd: int) -> int:
+    """On uvloop, as the core runs (most of a receiver's CPU is event-loop work)."""
+    return uvloop.run(run(config, name, listen_fd, intake_fd))
+
+
+async def run(config: Config, name: str, listen_fd: int, intake_fd: int) -> int:
+    """Accept on ``listen_fd`` into the core at ``intake_fd`` until SIGTERM (exit 0) or the
+    core goes away (exit 1)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    sink = await IntakeClient.from_fd(intake_fd, name)
+    listener = socket.socket(fileno=listen_fd)
+    listener.setblocking(False)
+    receiver = SmtpReceiver(sink, config, clock=now_ms)
+    await receiver.start(listener)
+    log.info("receiver %s (pid %d) accepting on %s", name, os.getpid(), config.receiver.listen)
+    stopped = asyncio.ensure_future(stop.wait())
+    lost = asyncio.ensure_future(sink.lost.wait())
+    try:
+        await asyncio.wait((stopped, lost), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        lost.cancel()
+        await receiver.close()
+        await sink.close()
+    if sink.lost.is_set() and not stop.is_set():
+        log.error("receiver %s: the core is gone; exiting", name)
+        return 1
+    return 0
