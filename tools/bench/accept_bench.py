@@ -5,9 +5,14 @@ Prints, in one run (figures depend on the machine; compare the ratio):
 1. zoneq: ``python -m zoneq serve`` on a config in a temporary directory (the queue there,
    ``[receiver] listen`` on a free port of 127.0.0.1, commits synced as by default), then
    Postfix's smtp-source with ``--sessions`` sessions sending ``--messages`` 1 KB messages
-   (one recipient each) to it.  The wall time of the whole smtp-source run gives accepts/s,
-   and the CPU time of the server's process tree meanwhile gives CPU per message, a figure
-   that other work on a shared machine disturbs far less than the rate.
+   (one recipient each) to it.  The wall time of the whole smtp-source run gives
+   accepts/s, and the CPU time of the server's process tree (receiver processes included)
+   meanwhile gives CPU per message, a figure that other work on a shared machine disturbs
+   far less than the rate.  ``--receivers 0,2`` runs this once per value of ``[receiver]
+   processes`` (0: the receiver in the core; N: N receiver processes feeding the core over
+   its intake socket), each compared with the Postfix run of the same round;
+   ``--rounds R`` repeats every phase R times, interleaved, and prints each round's ratios
+   and their median (the load of a shared machine drifts between phases).
    The queue is then opened after ``zoneq serve`` has stopped and its messages counted: a
    250 counts only if its message is there.
 2. The p99 (and p50, max) time from sending the final dot to reading the 250, measured by
@@ -31,7 +36,8 @@ default the repository's ``.testbed``) exits with status 77.  Must run as root (
 Every process started is stopped by its PID; Postfix with ``postfix -c DIR stop``.
 
     python tools/bench/accept_bench.py [--messages 10000] [--sessions 10]
-        [--latency-messages 500] [--timeout 300] [--json PATH]
+        [--latency-messages 500] [--receivers 0,1,2,3] [--rounds 1] [--timeout 300]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,7 +62,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the repository's tests.support, for ``zoneq serve``
 
-from tests.support.serve import Serve, start_serve  # noqa: E402
+from tests.receiver.processes import start_receiver_serve  # noqa: E402
+from tests.support.serve import Serve  # noqa: E402
 
 EXIT_MISSING = 77  # the test bed is incomplete (the automake "skipped" status)
 MESSAGE_SIZE = 1024
@@ -123,6 +131,8 @@ class Phase:
     stored: int = -1  # messages found in the queue afterwards (-1: not counted)
     delivery_events: int = -1  # zoneq: events logged by deliveries (should be few)
     cpu_seconds: float = -1.0  # CPU used by the server's processes during the load
+    busiest_thread_seconds: float = -1.0  # of that, the busiest single thread's
+    busiest_thread: str = ""  # the process it belongs to
     seconds: float = 0.0
     complete: bool = False
     note: str = ""
@@ -131,6 +141,10 @@ class Phase:
     @property
     def cpu_ms_per_message(self) -> float:
         return 1000 * self.cpu_seconds / self.accepted if self.accepted else 0.0
+
+    @property
+    def busiest_ms_per_message(self) -> float:
+        return 1000 * self.busiest_thread_seconds / self.accepted if self.accepted else 0.0
 
     @property
     def rate(self) -> float:
@@ -170,6 +184,11 @@ def tree_cpu_seconds(root: int) -> float:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             parents[int(entry.name)] = int(fields[1])
             times[int(entry.name)] = sum(int(x) for x in fields[11:15])
+    tree = _tree(root, parents)
+    return sum(times.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
+
+
+def _tree(root: int, parents: dict[int, int]) -> set[int]:
     tree, frontier = {root}, [root]
     while frontier:
         parent = frontier.pop()
@@ -177,16 +196,60 @@ def tree_cpu_seconds(root: int) -> float:
             if ppid == parent and pid not in tree:
                 tree.add(pid)
                 frontier.append(pid)
-    return sum(times.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
+    return tree
+
+
+def thread_cpu_seconds(root: int) -> dict[tuple[int, int], float]:
+    """User + system CPU of every thread of ``root``'s process tree, by (pid, tid).
+
+    The busiest thread's CPU per message bounds the rate whatever the number of cores
+    (1000 / its ms per message): one event loop serving every SMTP session is such a
+    bound, and several receiver processes lift it.  Threads that exited during the run
+    are not seen (Postfix's smtpd processes are reused, ``max_use``, so few are).
+    """
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                parents[int(entry.name)] = int(fields[1])
+    out: dict[tuple[int, int], float] = {}
+    for pid in _tree(root, parents):
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                    ticks = int(fields[11]) + int(fields[12])
+                    out[(pid, int(task.name))] = ticks / os.sysconf("SC_CLK_TCK")
+    return out
 
 
 def run_measured(name: str, server_pid: int | None, port: int, args: argparse.Namespace) -> Phase:
     """``run_smtp_source``, with the CPU the server's process tree used meanwhile."""
     before = tree_cpu_seconds(server_pid) if server_pid is not None else 0.0
+    threads = thread_cpu_seconds(server_pid) if server_pid is not None else {}
     phase = run_smtp_source(name, port, args.messages, args.sessions, args.timeout)
     if server_pid is not None:
         phase.cpu_seconds = tree_cpu_seconds(server_pid) - before
+        after = thread_cpu_seconds(server_pid)
+        used = {key: after[key] - threads.get(key, 0.0) for key in after}
+        if used:
+            busiest = max(used, key=used.__getitem__)
+            phase.busiest_thread_seconds = used[busiest]
+            phase.busiest_thread = process_name(busiest[0])
     return phase
+
+
+def process_name(pid: int) -> str:
+    """``zoneq receiver --name receiver-0`` and the like: whose thread was busiest."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return f"pid {pid}"
+    words = [w.decode(errors="replace") for w in argv if w]
+    if "zoneq" in words:
+        words = words[words.index("zoneq") :][:4]
+    return " ".join(Path(words[0]).name if i == 0 else w for i, w in enumerate(words))
 
 
 def run_smtp_source(name: str, port: int, messages: int, sessions: int, timeout: float) -> Phase:
@@ -302,7 +365,7 @@ def run_latency(name: str, port: int, messages: int, timeout: float) -> Phase:
 # --- zoneq -------------------------------------------------------------------------------
 
 
-def write_zoneq_config(directory: Path, smtp_port: int, dns_port: int) -> Path:
+def write_zoneq_config(directory: Path, smtp_port: int, dns_port: int, receivers: int) -> Path:
     path = directory / "zones.toml"
     path.write_text(
         f"""
@@ -313,6 +376,7 @@ ipc_socket = "{directory / "zoneq.sock"}"
 
 [receiver]
 listen = "127.0.0.1:{smtp_port}"
+processes = {receivers}
 
 [storage]
 min_free = "0"
@@ -367,21 +431,22 @@ def stop_serve(serve: Serve) -> str:
     return note
 
 
-def bench_zoneq(args: argparse.Namespace, directory: Path) -> tuple[Phase, Phase]:
+def bench_zoneq(args: argparse.Namespace, directory: Path, receivers: int) -> tuple[Phase, Phase]:
     directory.mkdir()
-    load = Phase("zoneq accept", args.messages)
+    load = Phase(f"zoneq rx={receivers}", args.messages)
     latency = Phase("zoneq latency", args.latency_messages)
     # A name server that never answers: the workers' one lookup waits, nothing is delivered.
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent_dns:
         silent_dns.bind(("127.0.0.1", 0))
         port = free_port()
-        config = write_zoneq_config(directory, port, silent_dns.getsockname()[1])
-        serve = start_serve(config, directory / "serve.log")
+        config = write_zoneq_config(directory, port, silent_dns.getsockname()[1], receivers)
+        serve = start_receiver_serve(config, directory / "serve.log")
         try:
-            serve.wait_ready(expected_workers=2, timeout=START_TIMEOUT_S)
+            # The server's CPU below is the core's process tree: receivers included.
+            serve.wait_ready(expected_workers=2 + receivers, timeout=START_TIMEOUT_S)
             if not wait_listening(port, time.monotonic() + START_TIMEOUT_S):
                 raise RuntimeError(f"zoneq serve is not listening on {port}")
-            load = run_measured("zoneq accept", serve.pid, port, args)
+            load = run_measured(load.name, serve.pid, port, args)
             latency = run_latency("zoneq latency", port, args.latency_messages, args.timeout)
         except RuntimeError as exc:
             load.note = load.note or str(exc)[:300]
@@ -545,17 +610,23 @@ def load_average() -> str:
     return "?"
 
 
-def table(args: argparse.Namespace, phases: dict[str, Phase], loads: tuple[str, str]) -> str:
-    zq, zl, pf, pl = (phases[k] for k in ("zoneq", "zoneq_latency", "postfix", "postfix_lat"))
+def table(
+    args: argparse.Namespace,
+    zoneqs: list[tuple[Phase, Phase]],
+    postfix: tuple[Phase, Phase],
+    loads: tuple[str, str],
+) -> str:
+    pf, pl = postfix
     rows = [
         f"CPUs: {os.cpu_count()}; load average {loads[0]} at the start, {loads[1]} at the "
         f"end; smtp-source sessions: {args.sessions}; messages: "
         f"{args.messages} x {MESSAGE_SIZE} B; latency: {args.latency_messages} sequential "
         "messages on one connection",
         f"{'phase':<18}{'accepted':>13}{'stored':>8}{'seconds':>9}{'per second':>12}"
-        f"{'CPU ms/msg':>11}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}  note",
+        f"{'CPU ms/msg':>11}{'1 thread':>9}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}  note",
     ]
-    for label, load, lat in (("zoneq", zq, zl), ("postfix", pf, pl)):
+    for load, lat in [*zoneqs, postfix]:
+        label = load.name.replace(" accept", "")
         stored = str(load.stored) if load.stored >= 0 else "-"
         if lat.latencies_ms:
             lat_cols = (
@@ -564,27 +635,32 @@ def table(args: argparse.Namespace, phases: dict[str, Phase], loads: tuple[str, 
             )
         else:
             lat_cols = f"{'-':>9}{'-':>9}{'-':>9}"
-        notes = "; ".join(n for n in (load.note, lat.note) if n)
+        busiest = f"1 thread of {load.busiest_thread}" if load.busiest_thread else ""
+        notes = "; ".join(n for n in (load.note, lat.note, busiest) if n)
         cpu = f"{load.cpu_ms_per_message:.3f}" if load.cpu_seconds >= 0 else "-"
+        one = f"{load.busiest_ms_per_message:.3f}" if load.busiest_thread_seconds >= 0 else "-"
         rows.append(
             f"{label:<18}{f'{load.accepted}/{load.expected}':>13}{stored:>8}"
-            f"{load.seconds:>9.2f}{load.rate:>12.0f}{cpu:>11}{lat_cols}  {notes}".rstrip()
+            f"{load.seconds:>9.2f}{load.rate:>12.0f}{cpu:>11}{one:>9}{lat_cols}  {notes}".rstrip()
         )
-    if zq.delivery_events >= 0:
-        rows.append(
-            f"  zoneq: {zq.delivery_events} delivery event(s) logged during the run "
-            "(workers idle on a silent name server); 'stored': messages found in the "
-            "queue afterwards"
-        )
-    ratio = zq.rate / pf.rate if pf.rate else 0.0
-    ok = all(p.complete for p in (zq, zl, pf, pl))
-    verdict = "result:" if ok else "result: INCOMPLETE"
+    events = ", ".join(str(zq.delivery_events) for zq, _ in zoneqs)
     rows.append(
-        f"{verdict} zoneq {zq.rate:.0f} accepts/s = {ratio:.2f} x Postfix {pf.rate:.0f} "
-        f"accepts/s (goal 2.00 x); p99 end of DATA -> 250: zoneq "
-        f"{zl.percentile(0.99):.2f} ms, Postfix {pl.percentile(0.99):.2f} ms; CPU per "
-        f"message: zoneq {zq.cpu_ms_per_message:.3f} ms, Postfix {pf.cpu_ms_per_message:.3f} ms"
+        f"  zoneq: {events} delivery event(s) logged during the run(s) (workers idle on a "
+        "silent name server); 'stored': messages found in the queue afterwards; rx=N: "
+        "[receiver] processes = N (0: in the core); '1 thread': CPU per message of the "
+        "busiest thread, whose 1000/x is the most that layout can accept per second with "
+        "cores to spare"
     )
+    for zq, zl in zoneqs:
+        ratio = zq.rate / pf.rate if pf.rate else 0.0
+        ok = all(p.complete for p in (zq, zl, pf, pl))
+        verdict = "result:" if ok else "result: INCOMPLETE"
+        rows.append(
+            f"{verdict} {zq.name} {zq.rate:.0f} accepts/s = {ratio:.2f} x Postfix "
+            f"{pf.rate:.0f} accepts/s (goal 2.00 x); p99 end of DATA -> 250: "
+            f"{zl.percentile(0.99):.2f} ms vs {pl.percentile(0.99):.2f} ms; CPU per message: "
+            f"{zq.cpu_ms_per_message:.3f} ms vs {pf.cpu_ms_per_message:.3f} ms"
+        )
     return "\n".join(rows)
 
 
@@ -595,12 +671,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--latency-messages", type=int, default=500, help="sequential messages timed"
     )
+    parser.add_argument(
+        "--receivers",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[0],
+        help="[receiver] processes values to measure, e.g. 0,1,2,3 (one zoneq run each)",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="repeat every phase, interleaved")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per phase")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
-    for name in ("messages", "sessions", "latency_messages"):
+    for name in ("messages", "sessions", "latency_messages", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if any(not 0 <= n <= 64 for n in args.receivers):
+        parser.error("--receivers: each value from 0 to 64")
     return args
 
 
@@ -614,38 +699,46 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("the Postfix half needs root", file=sys.stderr)
         return EXIT_MISSING
-    load_before = load_average()
-    directory = Path(tempfile.mkdtemp(prefix="zoneq-abench-"))
-    directory.chmod(0o755)  # Postfix's daemons (user postfix) must reach their queue
-    try:
-        zoneq, zoneq_latency = bench_zoneq(args, directory / "zoneq")
+    phases: list[Phase] = []
+    ratios: dict[str, list[float]] = {}
+    report: list[dict[str, object]] = []
+    for round_no in range(args.rounds):
+        load_before = load_average()
+        directory = Path(tempfile.mkdtemp(prefix="zoneq-abench-"))
+        directory.chmod(0o755)  # Postfix's daemons (user postfix) must reach their queue
         try:
-            postfix, postfix_lat = bench_postfix(args, directory / "postfix")
-        except Missing as exc:
-            print(exc, file=sys.stderr)
-            return EXIT_MISSING
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-    phases = {
-        "zoneq": zoneq,
-        "zoneq_latency": zoneq_latency,
-        "postfix": postfix,
-        "postfix_lat": postfix_lat,
-    }
-    loads = (load_before, load_average())
-    print(table(args, phases, loads))
+            zoneqs = [bench_zoneq(args, directory / f"zoneq-{n}", n) for n in args.receivers]
+            try:
+                postfix = bench_postfix(args, directory / "postfix")
+            except Missing as exc:
+                print(exc, file=sys.stderr)
+                return EXIT_MISSING
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        loads = (load_before, load_average())
+        if args.rounds > 1:
+            print(f"round {round_no + 1} of {args.rounds}")
+        print(table(args, zoneqs, postfix, loads))
+        for zq, _ in zoneqs:
+            ratio = zq.rate / postfix[0].rate if postfix[0].rate else 0.0
+            ratios.setdefault(zq.name, []).append(ratio)
+        round_phases = [phase for pair in [*zoneqs, postfix] for phase in pair]
+        phases += round_phases
+        report.append({"load_average": loads, "phases": [p.summary() for p in round_phases]})
+    if args.rounds > 1:
+        for name, values in ratios.items():
+            each = ", ".join(f"{v:.2f}" for v in values)
+            print(f"{name}: median {statistics.median(values):.2f} x Postfix (rounds: {each})")
     if args.json is not None:
-        report = {
+        summary = {
             "cpus": os.cpu_count(),
-            "load_average": loads,
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "message_size": MESSAGE_SIZE,
-            "phases": [p.summary() for p in phases.values()],
-            "ratio": zoneq.rate / postfix.rate if postfix.rate else None,
+            "rounds": report,
+            "ratios": ratios,
         }
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if all(p.complete for p in phases.values()) else 1
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if all(p.complete for p in phases) else 1
 
 
 if __name__ == "__main__":
