@@ -135,7 +135,7 @@ async def serve(config: Config, config_path: Path | None = None) -> None:
         )
         if api is not None:
             running.push_async_callback(api.close)  # stopped right after the receiver
-        await _start_receiving(running, StoreSink(store, config), config, config_path)
+        await _start_receiving(running, StoreSink(store, config), config, config_path, plugins)
         log.info("accepting SMTP on %s", config.receiver.listen)
         await supervisor.start()
         while not stop.is_set():
@@ -198,13 +198,18 @@ class StoreSink:
 
 
 async def _start_receiving(
-    running: contextlib.AsyncExitStack, sink: StoreSink, config: Config, config_path: Path | None
+    running: contextlib.AsyncExitStack,
+    sink: StoreSink,
+    config: Config,
+    config_path: Path | None,
+    plugins: PluginHost,
 ) -> None:
-    """The receiver in the core, or ``receiver.processes`` of them; each stop is pushed so
-    that the receivers go first (then the listening socket, then the intake server)."""
+    """The receiver in the core (with the core's ``plugins``; receiver processes load their
+    own), or ``receiver.processes`` of them; each stop is pushed so that the receivers go
+    first (then the listening socket, then the intake server)."""
     listen = config.receiver.listen
     if config.receiver.processes == 0:
-        receiver = SmtpReceiver(sink, config, clock=now_ms)
+        receiver = SmtpReceiver(sink, config, clock=now_ms, plugins=plugins)
         await _listening("SMTP receiver", listen, receiver.start())
         running.push_async_callback(receiver.close)
         return

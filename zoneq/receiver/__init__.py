@@ -1,5 +1,5 @@
 """The SMTP receiver: accepts mail from clients into the queue (``server.py``)."""
 
-from zoneq.receiver.server import SmtpReceiver, route
+from zoneq.receiver.server import SmtpReceiver
 
-__all__ = ["SmtpReceiver", "route"]
+__all__ = ["SmtpReceiver"]

@@ -12,6 +12,8 @@ leaves that to policy; sending a password in clear text is never right) and answ
   and the connection is closed (as Postfix's ``smtpd_hard_error_limit`` would).
 * An authorization identity other than the user (RFC 4616 section 2) is refused: zoneq
   does not let one user act as another.
+* A plugin at ``smtp:auth`` (issue 5) may decide first; when it has no opinion the
+  configured users do.
 * Passwords are never logged; the user name is, and is stored with each message the
   session sends (``MessageMeta.source["auth"]``).
 """
@@ -20,14 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
 from zoneq.protocol.replies import EnhancedStatus, Reply
 from zoneq.receiver.passwords import DUMMY_HASH, verify_password
 from zoneq.receiver.sasl import Credentials, SaslError, SaslExchange
 
-__all__ = ["AUTH_FAILED", "AuthSession", "Authenticator", "Outcome"]
+__all__ = ["AUTH_FAILED", "AuthSession", "Authenticator", "Outcome", "PluginVerdict"]
 
 log = logging.getLogger("zoneq.receiver")
 
@@ -71,18 +73,28 @@ Outcome = bytes | Reply
 (235 accepts; anything else rejects)."""
 
 
+PluginVerdict = Callable[[str, Credentials], Awaitable[bool | Reply | None]]
+"""The ``smtp:auth`` plugins' say on (mechanism, credentials): True accepts, False refuses,
+a reply is answered as it is, None leaves it to the configured users (``hooks.py``)."""
+
+
 class AuthSession:
     """The AUTH state of one SMTP session: the exchange in progress and the result."""
 
-    def __init__(self, authenticator: Authenticator, peer: str) -> None:
+    def __init__(
+        self, authenticator: Authenticator, peer: str, plugins: PluginVerdict | None = None
+    ) -> None:
         self._authenticator = authenticator
         self._peer = peer
+        self._plugins = plugins
+        self._mechanism = ""
         self._exchange: SaslExchange | None = None
         self.failures = 0
         self.user: str | None = None
 
     async def request(self, mechanism: str, initial: bytes | None) -> Outcome:
         """AUTH ``mechanism`` [initial response]."""
+        self._mechanism = mechanism
         self._exchange = SaslExchange(mechanism)
         try:
             step = self._exchange.start(initial)
@@ -108,10 +120,29 @@ class AuthSession:
         if isinstance(step, bytes):
             return step
         self._exchange = None
-        if await self._authenticator.check(step):
+        verdict = await self._verdict(step)
+        if isinstance(verdict, Reply):
+            # The plugin's own answer (or 451 4.3.0 for a failing plugin): not counted as
+            # a wrong password, which is the plugin's to say with False.
+            log.warning(
+                "%s: AUTH for %r answered by a plugin: %s", self._peer, step.username, verdict
+            )
+            return verdict
+        if verdict:
             self.user = step.username
             log.info("%s: authenticated as %r", self._peer, step.username)
             return AUTH_OK
         self.failures += 1
         log.warning("%s: authentication failed for %r", self._peer, step.username)
         return TOO_MANY_FAILURES if self.failures >= MAX_FAILURES else AUTH_FAILED
+
+    async def _verdict(self, credentials: Credentials) -> bool | Reply:
+        """A plugin's verdict if one has an opinion, else the configured users'.  A plugin's
+        False is delayed like a wrong password, so guessing is as slow either way."""
+        if self._plugins is not None:
+            decided = await self._plugins(self._mechanism, credentials)
+            if decided is False:
+                await asyncio.sleep(self._authenticator.failure_delay_s)
+            if decided is not None:
+                return decided
+        return await self._authenticator.check(credentials)

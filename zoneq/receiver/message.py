@@ -7,7 +7,8 @@ Pure: no I/O, no clock (the caller passes the time).
   that no line is over 78 characters where a break is possible.
 * ``HeaderScan`` reads the header section at the start of the message text (the first
   stored chunk): the number of ``Received:`` fields, for loop detection (RFC 5321 section
-  6.3), and Message-ID, Subject and From, for people browsing the queue.  Only what is in
+  6.3), Message-ID, Subject and From, for people browsing the queue, and every field for
+  the ``message:headers`` hook and the routing header (``hooks.py``).  Only what is in
   that chunk is seen: a header section longer than a chunk is cut there, which loses at
   most the browsing headers and a loop count past 50 fields of ~1.3 KiB each.
 """
@@ -122,6 +123,24 @@ class HeaderScan:
 
     received: int = 0
     headers: dict[str, str] = field(default_factory=dict)
+    raw: list[bytes] = field(default_factory=list)
+    """Every field in the section, unfolded, undecoded: decoded by ``fields`` only when a
+    plugin or the routing header needs them, not for every message."""
+
+    def fields(self) -> tuple[tuple[str, str], ...]:
+        """(name, value) pairs in message order, values unfolded and stripped (the shape
+        of ``message:headers``); non-UTF-8 octets are replaced."""
+        pairs: list[tuple[str, str]] = []
+        for raw in self.raw:
+            name, colon, value = raw.partition(b":")
+            if colon:
+                pairs.append(
+                    (
+                        name.strip(b" \t").decode("ascii", "replace"),
+                        value.strip(b" \t").decode("utf-8", "replace"),
+                    )
+                )
+        return tuple(pairs)
 
 
 def scan_headers(text: bytes) -> HeaderScan:
@@ -134,8 +153,8 @@ def scan_headers(text: bytes) -> HeaderScan:
         section = b""  # no header section at all
     else:
         section = text[: text.rfind(b"\r\n") + 2] if b"\r\n" in text else b""
-    scan = HeaderScan()
     fields: list[bytes] = []
+    scan = HeaderScan(raw=fields)
     for line in section.split(b"\r\n")[:-1]:
         if line[:1] in (b" ", b"\t") and fields:
             fields[-1] += b" " + line.strip(b" \t")  # unfold (RFC 5322 section 2.2.3)

@@ -12,7 +12,8 @@ sink, until SIGTERM (it then stops accepting, answers 421 4.3.2 to new commands 
 commits in flight finish, as the in-core receiver does) or until the core's socket closes
 (the core died: sessions get 421 4.3.0 and the process exits 1, releasing the listening
 socket, so a restarted core can bind its port again).  Its clock reads the wall clock for
-the Received field and the message's arrival time, as the core's does.
+the Received field and the message's arrival time, as the core's does.  It loads the
+plugins itself: the receive-time hooks and ``queue:route`` run where the sessions are.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import uvloop
 
 from zoneq.config.model import Config
 from zoneq.ipc.intake_client import IntakeClient
+from zoneq.plugin import PluginHost
 from zoneq.receiver.server import SmtpReceiver
 
 __all__ = ["main", "run"]
@@ -54,7 +56,9 @@ async def run(config: Config, name: str, listen_fd: int, intake_fd: int) -> int:
     sink = await IntakeClient.from_fd(intake_fd, name)
     listener = socket.socket(fileno=listen_fd)
     listener.setblocking(False)
-    receiver = SmtpReceiver(sink, config, clock=now_ms)
+    # Its own plugins (the receive hooks run here, in this process), closed on the way out.
+    plugins = PluginHost.from_config(config)
+    receiver = SmtpReceiver(sink, config, clock=now_ms, plugins=plugins)
     await receiver.start(listener)
     log.info("receiver %s (pid %d) accepting on %s", name, os.getpid(), config.receiver.listen)
     stopped = asyncio.ensure_future(stop.wait())
@@ -66,6 +70,7 @@ async def run(config: Config, name: str, listen_fd: int, intake_fd: int) -> int:
         lost.cancel()
         await receiver.close()
         await sink.close()
+        await plugins.close()
     if sink.lost.is_set() and not stop.is_set():
         log.error("receiver %s: the core is gone; exiting", name)
         return 1

@@ -37,7 +37,10 @@ Choices:
   trickles a byte at a time is cut off with 421 4.4.2 all the same.
 * Loops: more than ``MAX_RECEIVED`` Received fields in the first chunk is 554 5.4.6 at the
   final dot (RFC 3463 section 3.5, "routing loop detected").
-* Routing: every recipient goes to ``routing.default_zone`` for now (``route``).
+* Routing and the receive-time plugin hooks (``smtp:auth``, ``smtp:mail_from``,
+  ``smtp:rcpt_to``, ``queue:route``, ``message:headers``) are asked through ``hooks.py``;
+  a plugin's reply refuses the command, a failing plugin gives 451 4.3.0.  A recipient a
+  plugin drops gets 250 and is left out of the commit; if none is left, nothing is stored.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from zoneq.ipc.intake_messages import (
     ReceivedMessage,
     ReceivedRecipient,
 )
+from zoneq.plugin import Drop, PluginHost, Session
 from zoneq.protocol.dsn import Notify
 from zoneq.protocol.ids import format_id
 from zoneq.protocol.replies import INSUFFICIENT_STORAGE, LOCAL_ERROR, EnhancedStatus, Reply
@@ -78,19 +82,21 @@ from zoneq.protocol.smtp_server import (
     StartTLS,
     State,
 )
-from zoneq.queue.routing import route
 from zoneq.receiver.auth import Authenticator, AuthSession, Outcome
 from zoneq.receiver.deadline import RequestDeadline
+from zoneq.receiver.hooks import ReceiveHooks, Routed
 from zoneq.receiver.message import (
     MAX_RECEIVED,
+    HeaderScan,
     protocol_keyword,
     received_header,
     scan_headers,
 )
 from zoneq.receiver.relay import RELAY_DENIED, RelayPolicy, address_refusal
+from zoneq.receiver.sasl import Credentials
 from zoneq.receiver.tls import server_context, start_tls
 
-__all__ = ["SmtpReceiver", "route"]
+__all__ = ["SmtpReceiver"]
 
 log = logging.getLogger("zoneq.receiver")
 
@@ -103,6 +109,7 @@ def _r(code: int, text: str, klass: int, subject: int, detail: int) -> Reply:
 
 
 MAIL_LOOP: Final = _r(554, "Too many Received headers: mail loop detected", 5, 4, 6)
+ALL_DROPPED: Final = Reply(250, ("Ok: accepted, nothing to deliver",), EnhancedStatus(2, 0, 0))
 TOO_MANY: Final = "Too many connections from your address"  # 421 4.7.0 (RFC 3463 3.8)
 
 
@@ -126,9 +133,17 @@ def _notify_keywords(notify: frozenset[Notify] | None) -> tuple[str, ...]:
 
 
 class SmtpReceiver:
-    """Accepts mail over SMTP into ``sink``.  ``clock`` returns milliseconds since the epoch."""
+    """Accepts mail over SMTP into ``sink``.  ``clock`` returns milliseconds since the epoch.
+    ``plugins`` (the caller's, which the caller closes) are asked at the receive hooks."""
 
-    def __init__(self, sink: MessageSink, config: Config, *, clock: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        sink: MessageSink,
+        config: Config,
+        *,
+        clock: Callable[[], int],
+        plugins: PluginHost | None = None,
+    ) -> None:
         self.sink = sink
         self.config = config
         self.clock = clock
@@ -137,6 +152,7 @@ class SmtpReceiver:
         cert, key = config.receiver.tls_cert, config.receiver.tls_key
         self.tls_context = None if cert is None or key is None else server_context(cert, key)
         self.authenticator = Authenticator(config.receiver.auth_users)
+        self.hooks = ReceiveHooks(config, plugins)
         # Read once: parsing them for every session showed in the accept-path profile.
         self.idle_timeout_s = config.receiver.idle_timeout_s
         self.max_message_size = int(config.receiver.max_message_size)
@@ -257,10 +273,11 @@ class _Session:
             max_message_size=receiver.max_message_size,
             max_recipients=config.receiver.max_recipients,
             tls_offered=receiver.tls_context is not None,
-            auth_offered=receiver.authenticator.enabled,
+            auth_offered=receiver.authenticator.enabled or receiver.hooks.auth_hook,
         )
+        self.hooks = receiver.hooks
         self.relay_by_address = receiver.relay_policy.client_allowed(ip)
-        self.auth = AuthSession(receiver.authenticator, ip)
+        self.auth = AuthSession(receiver.authenticator, ip, self._auth_plugins)
         self.tls = ""  # the TLS version, once STARTTLS succeeded
         self.deadline = RequestDeadline(receiver.idle_timeout_s, config.receiver.min_data_rate)
         self.chunk_size = config.storage.chunk_size
@@ -271,12 +288,12 @@ class _Session:
         # The transaction
         self.msg_id: int | None = None
         self.mail: MailFrom | None = None
-        self.recipients: list[ReceivedRecipient] = []
+        self.recipients: list[Routed] = []
         self.buffer = bytearray()
         self.index = 0  # chunks written
         self.size = 0  # octets stored (written and buffered)
         self.header_len = 0  # our Received field, first in chunk 0
-        self.headers: dict[str, str] = {}
+        self.scan = HeaderScan()
         self.fault: Reply | None = None  # decided while the body streams: answered at the dot
         self.received_ms = 0
 
@@ -290,7 +307,17 @@ class _Session:
 
     @property
     def relay(self) -> bool:
+        """May relay, and is trusted with the routing header (issue 5): the same clients."""
         return self.relay_by_address or self.auth.user is not None
+
+    def _plugin_session(self) -> Session:
+        """This session as the receive hooks see it (built only when a plugin listens)."""
+        return Session(self.ip, self.helo or None, self.auth.user, self.relay)
+
+    async def _auth_plugins(self, mechanism: str, credentials: Credentials) -> bool | Reply | None:
+        return await self.hooks.auth(
+            self._plugin_session, mechanism, credentials.username, credentials.password
+        )
 
     async def run(self) -> None:
         try:
@@ -377,7 +404,7 @@ class _Session:
             elif isinstance(event, MailFrom):
                 queue.extend(await self._mail(event))
             elif isinstance(event, RcptTo):
-                queue.extend(self._rcpt(event))
+                queue.extend(await self._rcpt(event))
             elif isinstance(event, DataStart):
                 queue.extend(self._data_start())
             elif isinstance(event, DataEnd):
@@ -421,6 +448,9 @@ class _Session:
 
     async def _mail(self, event: MailFrom) -> list[Event]:
         await self._end_transaction()  # none should be left; never leak one
+        refusal = await self.hooks.mail_from(self._plugin_session, event.address)
+        if refusal is not None:
+            return self.conn.reject(refusal)
         now = self.receiver.clock()
         try:
             msg_id = await self.sink.begin(now, event.size or 0)
@@ -437,16 +467,31 @@ class _Session:
         self.received_ms = now
         return self.conn.accept()
 
-    def _rcpt(self, event: RcptTo) -> list[Event]:
+    async def _rcpt(self, event: RcptTo) -> list[Event]:
         address = event.address
         refusal = address_refusal(address, event.route)
         if refusal is not None:
             return self.conn.reject(refusal)
         if not self.relay:
             return self.conn.reject(RELAY_DENIED)
-        zone = route(self.receiver.config, address)
+        assert self.mail is not None  # the machine asks for RCPT only after MAIL
+        decided = await self.hooks.rcpt(
+            self._plugin_session,
+            sender=self.mail.address,
+            recipient=address,
+            client_ip=self.ip,
+            trusted=self.relay,
+        )
+        if isinstance(decided, Reply):
+            return self.conn.reject(decided)
+        if isinstance(decided, Drop):
+            # Accepted and never queued.  The store records events only for recipients it
+            # holds, so this drop is logged rather than written as a DROPPED event.
+            log.info("RCPT %s from %s dropped by a plugin: %s", address, self.ip, decided.reason)
+            return self.conn.accept()
         notify = _notify_keywords(event.notify)
-        self.recipients.append(ReceivedRecipient(address, zone, notify, event.orcpt))
+        recipient = ReceivedRecipient(address, decided.zone, notify, event.orcpt)
+        self.recipients.append(Routed(recipient, decided.rule))
         return self.conn.accept()
 
     def _data_start(self) -> list[Event]:
@@ -457,7 +502,7 @@ class _Session:
             tls=bool(self.tls),
             auth=self.auth.user is not None,
         )
-        single = self.recipients[0].address if len(self.recipients) == 1 else None
+        single = self.recipients[0].recipient.address if len(self.recipients) == 1 else None
         header = received_header(
             helo=self.helo,
             client_ip=self.ip,
@@ -498,8 +543,7 @@ class _Session:
             self.buffer.clear()
 
     def _scan(self, first: bytes) -> None:
-        scan = scan_headers(first[self.header_len :])
-        self.headers = scan.headers
+        scan = self.scan = scan_headers(first[self.header_len :])
         if scan.received > MAX_RECEIVED:
             log.warning("message from %s: %d Received fields, a loop", self.ip, scan.received)
             self.fault = MAIL_LOOP
@@ -516,8 +560,23 @@ class _Session:
             fault = self.fault
             await self._end_transaction()
             return self.conn.reject(fault)
-        chunks = self.index + (1 if tail is not None else 0)
         mail = self.mail
+        accepted = await self.hooks.message(
+            self._plugin_session,
+            sender=mail.address,
+            routed=self.recipients,
+            fields=self.scan.fields(),
+            trusted=self.relay,
+        )
+        if isinstance(accepted, Reply):
+            await self._end_transaction()
+            return self.conn.reject(accepted)
+        if not accepted:
+            # Every recipient was dropped by a plugin: the message was accepted as the
+            # plugins asked, and nothing is left to deliver or store.
+            await self._end_transaction()
+            return self.conn.accept(ALL_DROPPED)
+        chunks = self.index + (1 if tail is not None else 0)
         message = ReceivedMessage(
             msg_id=msg_id,
             sender=mail.address,
@@ -528,14 +587,14 @@ class _Session:
             envid=mail.envid,
             smtputf8=mail.smtputf8,
             body_8bit=mail.body is BodyType.EIGHT_BIT_MIME,
-            headers=dict(self.headers),
+            headers=dict(self.scan.headers),
             source=self._source(),
         )
         # Replies to pipelined commands before the dot go out while the commit syncs.
         self.writer.write(self.conn.data_to_send())
         try:
             await asyncio.shield(
-                self.sink.commit(message, self.recipients, self.receiver.clock(), tail=tail)
+                self.sink.commit(message, accepted, self.receiver.clock(), tail=tail)
             )
         except CoreUnreachable:
             raise
@@ -565,7 +624,7 @@ class _Session:
         self.index = 0
         self.size = 0
         self.header_len = 0
-        self.headers = {}
+        self.scan = HeaderScan()
         self.fault = None
 
     async def _end_transaction(self) -> None:

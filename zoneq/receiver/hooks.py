@@ -1,0 +1,192 @@
+"""Routing and the receive-time plugin hooks, as the SMTP receiver asks for them.
+
+Theory of operation
+-------------------
+Issue 5 puts four hooks at receive time and routing at RCPT.  ``ReceiveHooks`` is built
+once per receiver (one ``PluginHost``, one compiled ``Router``) and the session calls it at
+each step, getting back a plain decision:
+
+* AUTH (``smtp:auth``): a plugin may accept (True) or refuse (False, 535 5.7.8) the
+  credentials, or answer its own reply; with no opinion the configured users decide.
+* MAIL (``smtp:mail_from``) and RCPT (``smtp:rcpt_to``): a plugin reply refuses the
+  command with that reply (RFC 5321 section 4.2: 4yz defers, 5yz refuses).
+* RCPT routing: the rules of ``[routing]`` (sender domain, recipient domain, client
+  network, default), then ``queue:route`` plugins, which may choose another zone, refuse
+  the recipient, or drop it (accepted with 250, never queued).
+* The final dot (``message:headers``): the header section (first stored chunk) is known;
+  a plugin reply refuses the whole message, before anything is committed, so a client is
+  never told 250 for a message that is then lost.  Here too the routing header
+  (``routing.zone_header``) is read: from a trusted client (authenticated, or in
+  ``receiver.allow_networks``) naming a defined zone, it moves every recipient that the
+  rules placed (not a plugin's override, which ranks above the header) to that zone.  The
+  header can only be read after DATA, which is why it is applied here and not at RCPT.
+
+A plugin that raises, hangs past its time limit or returns garbage is a local fault
+(``PluginFailure``): the command gets 451 4.3.0, never a 5xx (the client keeps the message
+and retries, RFC 5321 section 4.2.1), and the failure is logged.
+
+The ``Session`` a hook sees is built only when a plugin listens at that hook: without
+plugins the accept path pays for nothing but the routing rules.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from zoneq.config.model import Config
+from zoneq.ipc.intake_messages import ReceivedRecipient
+from zoneq.plugin import (
+    AuthArgs,
+    Drop,
+    Hook,
+    HookResult,
+    MailFromArgs,
+    MessageHeadersArgs,
+    PluginFailure,
+    PluginHost,
+    RcptToArgs,
+    Session,
+)
+from zoneq.protocol.replies import Reply
+from zoneq.queue.routing import HEADER, Route, Router
+
+__all__ = ["ReceiveHooks", "Routed", "SessionFactory"]
+
+log = logging.getLogger("zoneq.receiver")
+
+SessionFactory = Callable[[], Session]
+"""Builds the hook's view of the SMTP session; called only when a plugin will see it."""
+
+_PLUGIN_RULE = "plugin:"
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """An accepted recipient and the rule that chose its zone (``Route.rule``)."""
+
+    recipient: ReceivedRecipient
+    rule: str
+
+
+class ReceiveHooks:
+    """Routing and the receive-time hooks of one receiver; see the module docstring."""
+
+    def __init__(self, config: Config, plugins: PluginHost | None = None) -> None:
+        self.router = Router.from_config(config, plugins)
+        self.zone_header = config.routing.zone_header.lower()
+        self._plugins = plugins
+        # Looked up once: these run for every message on the accept path.
+        live = set() if plugins is None else {hook for hook in Hook if plugins.handles(hook)}
+        self.auth_hook = Hook.SMTP_AUTH in live
+        self._mail_hook = Hook.SMTP_MAIL_FROM in live
+        self._rcpt_hook = Hook.SMTP_RCPT_TO in live
+        self._route_hook = Hook.QUEUE_ROUTE in live
+        self._headers_hook = Hook.MESSAGE_HEADERS in live
+
+    async def auth(
+        self, who: SessionFactory, mechanism: str, username: str, password: str
+    ) -> bool | Reply | None:
+        """The ``smtp:auth`` plugins' verdict on the credentials; None: no opinion (the
+        configured users decide).  A misbehaving plugin gives its 451 reply."""
+        if not self.auth_hook:
+            return None
+        args = AuthArgs(who(), mechanism, username, password)
+        try:
+            result = await self._call(Hook.SMTP_AUTH, args)
+        except PluginFailure as exc:
+            return exc.reply
+        return result.reply if result.reply is not None else result.authenticated
+
+    async def mail_from(self, who: SessionFactory, sender: str) -> Reply | None:
+        """A plugin's refusal of MAIL FROM, or None to go on."""
+        if not self._mail_hook:
+            return None
+        return await self._refusal(Hook.SMTP_MAIL_FROM, MailFromArgs(who(), sender))
+
+    async def rcpt(
+        self,
+        who: SessionFactory,
+        *,
+        sender: str,
+        recipient: str,
+        client_ip: str,
+        trusted: bool,
+    ) -> Route | Reply | Drop:
+        """The recipient's zone (routing rules, then ``queue:route``), a refusal, or a drop;
+        then the ``smtp:rcpt_to`` plugins, told the zone, may still refuse it."""
+        try:
+            decided = await self.router.route(
+                recipient,
+                sender=sender,
+                client_ip=client_ip,
+                trusted=trusted,
+                session=who() if self._route_hook else None,
+            )
+        except PluginFailure as exc:
+            log.error("RCPT %s from %s: %s", recipient, client_ip, exc)
+            return exc.reply
+        if not isinstance(decided, Route) or not self._rcpt_hook:
+            return decided
+        args = RcptToArgs(who(), sender, recipient, decided.zone)
+        refusal = await self._refusal(Hook.SMTP_RCPT_TO, args)
+        return decided if refusal is None else refusal
+
+    def header_zone(self, fields: Sequence[tuple[str, str]], *, trusted: bool) -> str | None:
+        """The zone the routing header names, when it may be honoured: from a trusted
+        client, naming a defined zone (the first such field, the one added last).  An
+        unknown name is ignored rather than failing the message (``Router.decide``)."""
+        if not trusted:
+            return None
+        for name, value in fields:
+            if name.lower() == self.zone_header:
+                decided = self.router.decide("", trusted=True, zone_header=value)
+                return decided.zone if decided.rule == HEADER else None
+        return None
+
+    async def message(
+        self,
+        who: SessionFactory,
+        *,
+        sender: str,
+        routed: Sequence[Routed],
+        fields: Sequence[tuple[str, str]],
+        trusted: bool,
+    ) -> list[ReceivedRecipient] | Reply:
+        """At the final dot: the recipients to queue (moved by a trusted routing header),
+        or the ``message:headers`` plugins' refusal of the whole message."""
+        recipients = with_header_zone(routed, self.header_zone(fields, trusted=trusted))
+        if not self._headers_hook or not recipients:
+            return recipients
+        args = MessageHeadersArgs(
+            who(), sender, tuple(r.address for r in recipients), tuple(fields)
+        )
+        refusal = await self._refusal(Hook.MESSAGE_HEADERS, args)
+        return recipients if refusal is None else refusal
+
+    async def _refusal(self, hook: Hook, args: object) -> Reply | None:
+        try:
+            result = await self._call(hook, args)
+        except PluginFailure as exc:
+            return exc.reply
+        return result.reply
+
+    async def _call(self, hook: Hook, args: object) -> HookResult:
+        assert self._plugins is not None  # only called for hooks found live at start
+        try:
+            return await self._plugins.call(hook, args)
+        except PluginFailure as exc:
+            log.error("%s", exc)
+            raise
+
+
+def with_header_zone(routed: Sequence[Routed], zone: str | None) -> list[ReceivedRecipient]:
+    """The recipients, those the rules placed moved to ``zone`` (the header's); a plugin's
+    choice ranks above the header (issue 5: "a plugin may override per recipient")."""
+    if zone is None:
+        return [r.recipient for r in routed]
+    return [
+        r.recipient if r.rule.startswith(_PLUGIN_RULE) else replace(r.recipient, zone=zone)
+        for r in routed
+    ]
