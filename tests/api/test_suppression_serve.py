@@ -108,12 +108,6 @@ def test_suppressed_with_the_cli_refused_by_the_plugin(tmp_path: Path) -> None:
         assert "not on the suppression list of default (404)" in missing.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the receiver does not call the queue:route plugins yet (issue 5); when it does, "
-    "this passes and the marker must go",
-)
 def test_suppressed_address_is_refused_at_rcpt(tmp_path: Path) -> None:
     with suppressing_serve(tmp_path) as (config, _):
         ok(config, "suppression", "add", "default", "gone@ok.test")

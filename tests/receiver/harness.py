@@ -19,6 +19,7 @@ from typing import Any
 
 from tests.support.testbed import missing
 from zoneq.config.model import Config
+from zoneq.plugin import PluginHost
 from zoneq.protocol.ids import parse_id
 from zoneq.receiver import SmtpReceiver
 from zoneq.runtime import StoreSink
@@ -32,30 +33,42 @@ TIMEOUT = 60.0
 Body = Callable[[SmtpReceiver, QueueStore], Awaitable[None]]
 
 
-def make_config(**receiver: Any) -> Config:
+def make_config(sections: dict[str, Any] | None = None, **receiver: Any) -> Config:
+    """The test config: ``receiver`` keys, and other top-level ``sections`` (zones,
+    routing, plugins) replacing the defaults."""
     receiver.setdefault("listen", "127.0.0.1:0")
-    return Config.model_validate(
-        {
-            "server": {"hostname": "mx.zoneq.test"},
-            "zones": {"default": {}, "bounces": {}},
-            "receiver": receiver,
-        }
-    )
+    data: dict[str, Any] = {
+        "server": {"hostname": "mx.zoneq.test"},
+        "zones": {"default": {}, "bounces": {}},
+        "receiver": receiver,
+        **(sections or {}),
+    }
+    return Config.model_validate(data)
 
 
-def run(tmp_path: Path, body: Body, *, db: type[Database] = Database, **receiver: Any) -> None:
-    """Open a queue and a receiver, run ``body``, close both (bounded in time)."""
+def run(
+    tmp_path: Path,
+    body: Body,
+    *,
+    db: type[Database] = Database,
+    sections: dict[str, Any] | None = None,
+    **receiver: Any,
+) -> None:
+    """Open a queue and a receiver (with the plugins ``sections`` enables, if any), run
+    ``body``, close them all (bounded in time)."""
 
     async def main() -> None:
         store = QueueStore(db(tmp_path / "queue"))
         store.recover()
-        config = make_config(**receiver)
-        rx = SmtpReceiver(StoreSink(store, config), config, clock=lambda: T0)
+        config = make_config(sections, **receiver)
+        plugins = PluginHost.from_config(config)
+        rx = SmtpReceiver(StoreSink(store, config), config, clock=lambda: T0, plugins=plugins)
         await rx.start()
         try:
             await asyncio.wait_for(body(rx, store), TIMEOUT)
         finally:
             await rx.close()
+            await plugins.close()
             await store.close()
 
     asyncio.run(main())
