@@ -22,6 +22,8 @@ def test_analytics_benchmark_runs(tmp_path: Path) -> None:
             "jsonl",
             "--dir",
             str(tmp_path),
+            "--class-cache",
+            "off",
         ],
         capture_output=True,
         text=True,
@@ -30,3 +32,4 @@ def test_analytics_benchmark_runs(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "report s" in done.stdout and "3,000 jsonl" in done.stdout
+    assert "facets:" in done.stdout  # the job's phase times are shown

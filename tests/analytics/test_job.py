@@ -27,7 +27,7 @@ import pytest
 from tests.analytics import reference
 from tests.export.conftest import ZONES, Traffic
 from tests.support.testbed import missing
-from zoneq.analytics import job, session
+from zoneq.analytics import classcache, job, session
 from zoneq.analytics.errors import AnalyticsError
 from zoneq.export.files import Format
 from zoneq.export.run import export_events, export_queue
@@ -167,11 +167,17 @@ def test_html_report_holds_each_zone_and_chart(parquet_report: job.Report) -> No
     assert 'src="http' not in parquet_report.html.read_text()  # self-contained
 
 
+@pytest.mark.parametrize("on_driver", [True, False], ids=["pyarrow", "spark-reader"])
 def test_json_lines_exports_give_the_same_tables(
-    spark: Any, exports: Exports, parquet_report: job.Report, tmp_path: Path
+    spark: Any, exports: Exports, parquet_report: job.Report, tmp_path: Path, on_driver: bool
 ) -> None:
-    report = job.build_report(spark, exports.dirs[Format.JSONL], tmp_path / "out")
+    """Both ways of reading JSON lines: converted by pyarrow on the driver (local runs)
+    and Spark's own reader (what a cluster runs)."""
+    report = job.build_report(
+        spark, exports.dirs[Format.JSONL], tmp_path / "out", json_on_driver=on_driver
+    )
     assert report.tables == parquet_report.tables
+    assert report.events == parquet_report.events and report.queued == parquet_report.queued
 
 
 def _copy_with_version(source: str, target: Path, version: int) -> Path:
@@ -182,23 +188,31 @@ def _copy_with_version(source: str, target: Path, version: int) -> Path:
     return target
 
 
+@pytest.mark.parametrize("on_driver", [True, False], ids=["pyarrow", "spark-reader"])
 def test_another_schema_version_is_refused_clearly(
-    spark: Any, exports: Exports, tmp_path: Path
+    spark: Any, exports: Exports, tmp_path: Path, on_driver: bool
 ) -> None:
     newer = _copy_with_version(exports.dirs[Format.JSONL][0], tmp_path / "v2", 2)
     with pytest.raises(AnalyticsError, match=r"schema version 2; this zoneq reads version 1"):
-        job.build_report(spark, [str(newer)], tmp_path / "out")
+        job.build_report(spark, [str(newer)], tmp_path / "out", json_on_driver=on_driver)
+    assert not (tmp_path / "out").exists()  # nothing written from a refused export
 
 
-def test_a_damaged_file_is_one_clear_spark_error(
-    spark: Any, exports: Exports, tmp_path: Path
+@pytest.mark.parametrize(
+    ("on_driver", "message"),
+    [(True, r"^/.*part-.*\.jsonl: not a JSON lines export file: "), (False, r"^Spark: ")],
+    ids=["pyarrow", "spark-reader"],
+)
+def test_a_damaged_file_is_one_clear_error(
+    spark: Any, exports: Exports, tmp_path: Path, on_driver: bool, message: str
 ) -> None:
     damaged = _copy_with_version(exports.dirs[Format.JSONL][0], tmp_path / "bad", 1)
     part = next((damaged / "events").rglob("part-*.jsonl"))
     part.write_text(part.read_text() + "{not json\n")
-    with pytest.raises(AnalyticsError, match=r"^Spark: ") as caught:
-        job.build_report(spark, [str(damaged)], tmp_path / "out")
+    with pytest.raises(AnalyticsError, match=message) as caught:
+        job.build_report(spark, [str(damaged)], tmp_path / "out", json_on_driver=on_driver)
     assert "\n" not in str(caught.value) and "\tat " not in str(caught.value)
+    assert not (tmp_path / "out").exists()
 
 
 # --- the command and the spark-submit script ------------------------------------------------
@@ -277,3 +291,22 @@ def test_spark_submit_runs_the_same_job(exports: Exports, tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "report.html").is_file()
     assert pq.read_table(out / "parquet" / "zones.parquet").num_rows == len(ZONES)
+
+
+def test_the_class_cache_is_recorded_then_used(exports: Exports, tmp_path: Path) -> None:
+    """The first local run records the JVM's class-data archive and waits for it to be
+    written; the next maps it (not recorded again) and gives the same report."""
+    cache = tmp_path / "cache"
+    command = [sys.executable, "-m", "zoneq", "analytics", *exports.dirs[Format.PARQUET]]
+    first = run([*command, "--out", str(tmp_path / "one"), "--class-cache", str(cache)])
+    assert first.returncode == 0, first.stderr[-3000:]
+    [archive] = cache.glob("spark-classes-*.jsa")
+    assert classcache.usable(archive)
+    written = archive.stat().st_mtime_ns
+    second = run([*command, "--out", str(tmp_path / "two"), "--class-cache", str(cache)])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert archive.stat().st_mtime_ns == written
+    for name in ("zones", "hourly", "domains", "replies", "queue_age"):
+        one = pq.read_table(tmp_path / "one" / "parquet" / f"{name}.parquet")
+        assert pq.read_table(tmp_path / "two" / "parquet" / f"{name}.parquet").equals(one)
+    assert "cds" not in first.stderr + second.stderr  # the JDK's CDS notes are silenced

@@ -13,7 +13,7 @@ where ``zoneq export`` keeps its unfinished files and its watermark.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final
 from urllib.parse import urlparse
@@ -142,13 +142,18 @@ def _exists(spark: SparkSession, uri: str) -> bool:
     return bool(fs.exists(path))
 
 
-def check_version(frame: DataFrame, expected: int, what: str) -> int:
-    """Count the rows, refusing any whose schema version is not ``expected``; how many.
+def count_versions(frame: DataFrame) -> dict[int | None, int]:
+    """Rows per schema version ``v``: a query reading that one column only."""
+    return {row["v"]: row["count"] for row in frame.groupBy("v").count().collect()}
 
-    Run as the first action on the cached events, so the pass that fills the cache is
-    also the check.
+
+def check_versions(versions: Mapping[int | None, int], expected: int, what: str) -> int:
+    """The rows counted per schema version, refusing any version but ``expected``; how
+    many rows.
+
+    The counts come out of the job's first aggregation (``v`` is one of its keys), so the
+    check costs no pass over the data of its own.
     """
-    versions = {row["v"]: row["count"] for row in frame.groupBy("v").count().collect()}
     others = sorted((v for v in versions if v != expected), key=lambda v: (v is None, v))
     if others:
         shown = ", ".join("missing" if v is None else str(v) for v in others)
@@ -163,7 +168,8 @@ __all__ = [
     "EVENT_VERSION",
     "FORMATS",
     "QUEUE_VERSION",
-    "check_version",
+    "check_versions",
+    "count_versions",
     "detect_format",
     "normalise",
     "read_events",

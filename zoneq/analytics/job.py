@@ -1,11 +1,16 @@
 """The analytics job: exports in, per-zone tables (Parquet, CSV) and an HTML report out.
 
-Spark does the heavy part: it reads the events (only the columns used), caches them once,
-and computes every table with one aggregation each.  The tables are small (zones x hours,
-zones x domains, ...), so they come back to the driver as Arrow tables and the driver
-writes them (pyarrow for Parquet and CSV) together with the HTML report into ``out``, a
-local directory of the driver also when the job runs on a cluster.  Writing them through
-Spark instead cost two more jobs per table, seconds in all, for a few kilobytes.
+Spark does the heavy part: it reads the events (only the columns used) and runs four
+aggregations at once (``tables.py``: one pass for every count, one for the latency
+percentiles, two over the queue).  Their results are small (zones x hours, zones x domains,
+...), so they come back to the driver as Arrow tables; the driver pivots and sorts them
+into the report's tables (``derive.py``) and writes those (pyarrow for Parquet and CSV)
+with the HTML report into ``out``, a local directory of the driver also when the job runs
+on a cluster.  Writing them through Spark instead cost two more jobs per table, seconds in
+all, for a few kilobytes.
+
+The driver's own work overlaps Spark's: the charts of a table are drawn as soon as its
+query is done, while the others still run, and matplotlib is imported while the JVM starts.
 
 Spark and Java errors become one ``AnalyticsError`` line at this one boundary
 (``spark_errors``), never a JVM stack trace.
@@ -14,11 +19,13 @@ Spark and Java errors become one ``AnalyticsError`` line at this one boundary
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -28,32 +35,40 @@ import pyarrow.csv
 import pyarrow.parquet
 import pyspark
 from py4j.protocol import Py4JError, Py4JJavaError
+from pyspark import SparkContext
 from pyspark.errors import PySparkException
 from pyspark.sql import DataFrame, SparkSession
 
-from zoneq.analytics import inputs, report, session, tables
+from zoneq.analytics import classcache, convert, derive, inputs, session, tables
 from zoneq.analytics.errors import AnalyticsError
-from zoneq.analytics.java import check_java
+from zoneq.analytics.java import check_java, java_command
 from zoneq.protocol.columns import EVENT_VERSION, QUEUE_COLUMNS, QUEUE_VERSION
 
-EVENT_TABLES: Final[dict[str, Callable[[DataFrame], DataFrame]]] = {
-    "zones": tables.zones,
-    "hourly": tables.hourly,
+REPORT_FILE: Final = "report.html"
+REPORT_MODULE: Final = "zoneq.analytics.report"  # matplotlib: imported while the JVM starts
+# The Spark queries, over the events or the queue; all four are submitted at once: each
+# spends much of its time planning and compiling on the driver while executor cores wait,
+# so several in flight keep both busy.
+EVENT_QUERIES: Final[dict[str, Callable[[DataFrame], DataFrame]]] = {
+    "facets": tables.facets,
     "delivery": tables.delivery,
-    "attempts": tables.attempts,
-    "domains": lambda events: tables.rates_by(events, "domain", "domain", tables.NO_SOURCE),
-    "mx": lambda events: tables.rates_by(events, "mx", "mx", tables.NO_MX),
-    "sources": lambda events: tables.rates_by(events, "source_ip", "source_ip", tables.NO_SOURCE),
-    "replies": tables.replies,
 }
-QUEUE_TABLES: Final[dict[str, Callable[[DataFrame], DataFrame]]] = {
+QUEUE_QUERIES: Final[dict[str, Callable[[DataFrame], DataFrame]]] = {
     "queue_age": tables.queue_age,
     "queue_domains": tables.queue_domains,
 }
-REPORT_FILE: Final = "report.html"
-# Spark jobs submitted at once.  Each small job spends much of its time planning and
-# compiling on the driver while executor cores wait; several in flight keep both busy.
-PARALLEL_JOBS: Final = 4
+TABLES: Final = (
+    "zones",
+    "hourly",
+    "delivery",
+    "attempts",
+    "domains",
+    "mx",
+    "sources",
+    "replies",
+    "queue_age",
+    "queue_domains",
+)
 
 log = logging.getLogger(__name__)
 logging.getLogger("py4j").setLevel(logging.WARNING)  # a line per gateway connection
@@ -94,49 +109,135 @@ def spark_errors() -> Iterator[None]:
         raise AnalyticsError(f"Spark: {text}") from exc
 
 
+class _Results:
+    """What the queries gave, turned into the report's tables as each one arrives."""
+
+    def __init__(self) -> None:
+        self.arrow: dict[str, pa.Table] = {}
+        self.rows: dict[str, list[dict[str, Any]]] = {}
+        self.versions: dict[int | None, int] = {}
+        self.queue_versions: dict[int | None, int] = {}
+
+    def add(self, query: str, result: pa.Table) -> dict[str, list[dict[str, Any]]]:
+        """Derive the tables of ``query``'s result; their rows."""
+        if query == "facets":
+            self.versions = derive.versions(result)
+            made = derive.event_tables(result)
+        elif query == "delivery":
+            made = {"delivery": derive.delivery(result)}
+        elif query == "queue_age":
+            self.queue_versions = derive.queue_versions(result)
+            made = {"queue_age": derive.queue_age(result)}
+        else:
+            made = {"queue_domains": derive.queue_domains(result)}
+        self.arrow.update(made)
+        rows = {name: table.to_pylist() for name, table in made.items()}
+        self.rows.update(rows)
+        return rows
+
+
 def build_report(
-    spark: SparkSession, sources: Sequence[str], out: Path, *, input_format: str = "auto"
+    spark: SparkSession,
+    sources: Sequence[str],
+    out: Path,
+    *,
+    input_format: str = "auto",
+    json_on_driver: bool | None = None,
+    shown: Sequence[str] | None = None,
 ) -> Report:
-    """Read ``sources`` (export directories), write the tables and report into ``out``."""
+    """Read ``sources`` (export directories), write the tables and report into ``out``.
+
+    JSON lines exports are converted to Parquet on the driver first (``convert.py``) when
+    ``json_on_driver`` says so; by default when Spark is local and the inputs are local
+    directories.  ``shown``: the inputs as the page names them (default ``sources``).
+    """
     started = time.monotonic()
-    roots = inputs.normalise(sources)
+    inputs.normalise(sources)
     fmt = inputs.detect_format(sources, input_format)
+    if json_on_driver is None:
+        json_on_driver = session.is_local(spark.sparkContext.master or "") and convert.applies(
+            sources
+        )
+    if fmt == "jsonl" and json_on_driver:
+        with tempfile.TemporaryDirectory(prefix="zoneq-analytics-") as scratch:
+            converted = convert.convert(sources, Path(scratch))
+            log.debug("JSON converted to Parquet: %.1f s", time.monotonic() - started)
+            return _build(spark, converted, "parquet", out, shown=shown or sources, started=started)
+    return _build(spark, sources, fmt, out, shown=shown or sources, started=started)
+
+
+def _build(
+    spark: SparkSession,
+    sources: Sequence[str],
+    fmt: str,
+    out: Path,
+    *,
+    shown: Sequence[str],
+    started: float,
+) -> Report:
+    report = importlib.import_module(REPORT_MODULE)
+    roots = inputs.normalise(sources)
+    results = _Results()
+    charts: dict[str, str] = {}
     with spark_errors():
         events = inputs.read_events(spark, roots, fmt)
         queue = inputs.read_queue(spark, roots, fmt)
         if queue is None:
             queue = spark.createDataFrame([], inputs.spark_schema(QUEUE_COLUMNS))
-        # JSON is parsed once into Spark's columnar cache; Parquet is columnar already, and
-        # each table reading just its few columns from it was faster than caching them all.
+        # JSON read by Spark (on a cluster) is parsed once into its columnar cache: two
+        # queries read the events.  Parquet is columnar already, read twice more cheaply.
         cached = fmt == "jsonl"
         if cached:
             events = events.cache()
         try:
-            with ThreadPoolExecutor(PARALLEL_JOBS, thread_name_prefix="zoneq-spark") as pool:
-                checks = (
-                    pool.submit(inputs.check_version, events, EVENT_VERSION, "event"),
-                    pool.submit(inputs.check_version, queue, QUEUE_VERSION, "queue"),
-                )
-                count, queued = (check.result() for check in checks)
-                log.debug("inputs checked: %.1f s", time.monotonic() - started)
-                jobs = {
-                    name: pool.submit(_arrow, make, frame)
-                    for frame, makers in ((events, EVENT_TABLES), (queue, QUEUE_TABLES))
+            with ThreadPoolExecutor(4, thread_name_prefix="zoneq-spark") as pool:
+                running: dict[Future[pa.Table], str] = {
+                    pool.submit(_arrow, make, frame): name
+                    for frame, makers in ((events, EVENT_QUERIES), (queue, QUEUE_QUERIES))
                     for name, make in makers.items()
                 }
-                arrow = {name: job.result() for name, job in jobs.items()}
+                try:
+                    for done in as_completed(running):
+                        rows = results.add(running[done], done.result())
+                        log.debug("%s: %.1f s", running[done], time.monotonic() - started)
+                        charts.update(report.draw_charts(rows))
+                except Exception:
+                    with contextlib.suppress(Exception):
+                        spark.sparkContext.cancelAllJobs()  # the pool would wait for them
+                    raise
+        except (PySparkException, Py4JError):
+            # A Spark error (a file of another schema, say) is often a version mismatch
+            # underneath: say that instead when the versions alone can be read.
+            _refuse_other_versions(events, queue)
+            raise
         finally:
             if cached:
                 events.unpersist()
-    log.debug("tables computed: %.1f s", time.monotonic() - started)
-    rows = {name: table.to_pylist() for name, table in arrow.items()}
+    count = inputs.check_versions(results.versions, EVENT_VERSION, "event")
+    queued = inputs.check_versions(results.queue_versions, QUEUE_VERSION, "queue")
+    log.debug("tables and charts: %.1f s", time.monotonic() - started)
     out.mkdir(parents=True, exist_ok=True)
-    for name, table in arrow.items():
-        _write_table(out, name, table)
+    for name in TABLES:
+        _write_table(out, name, results.arrow[name])
+    rows = {name: results.rows[name] for name in TABLES}
     page = out / REPORT_FILE
-    page.write_text(report.render(rows, inputs=list(sources), events=count), encoding="utf-8")
+    html = report.render(rows, inputs=list(shown), events=count, charts=charts)
+    page.write_text(html, encoding="utf-8")
     log.debug("report written: %.1f s", time.monotonic() - started)
     return Report(count, queued, rows, page, time.monotonic() - started)
+
+
+def _refuse_other_versions(events: DataFrame, queue: DataFrame) -> None:
+    """``AnalyticsError`` if either export holds another schema version (else nothing)."""
+    for frame, expected, what in (
+        (events, EVENT_VERSION, "event"),
+        (queue, QUEUE_VERSION, "queue"),
+    ):
+        try:
+            versions = inputs.count_versions(frame)
+        except (PySparkException, Py4JError):
+            return
+        inputs.check_versions(versions, expected, what)
 
 
 def _arrow(make: Callable[[DataFrame], DataFrame], frame: DataFrame) -> pa.Table:
@@ -157,17 +258,70 @@ def run(
     master: str | None = None,
     input_format: str = "auto",
     driver_memory: str | None = None,
+    class_cache: Path | None = None,
 ) -> Report:
-    """The whole job: check Java, start Spark, build the report, stop Spark."""
+    """The whole job: check Java, start Spark, build the report, stop Spark.
+
+    The JVM takes seconds to start; the driver's own preparation runs meanwhile:
+    importing matplotlib and, for local JSON lines inputs, converting them to Parquet.
+    ``class_cache``: the directory of the JVM's class-data archive (``classcache.py``) for
+    a local run, None for none.
+    """
+    started = time.monotonic()
     inputs.normalise(sources)  # a bad local path is refused before the JVM starts
+    fmt = inputs.detect_format(sources, input_format)
     check_java(pyspark.__version__)
+    local = session.runs_here(master)
+    cache = _class_cache(class_cache) if local else None
+    with (
+        ThreadPoolExecutor(1, thread_name_prefix="zoneq-jvm") as starter,
+        tempfile.TemporaryDirectory(prefix="zoneq-analytics-") as scratch,
+    ):
+        starting = starter.submit(_start, master, driver_memory, cache)
+        try:
+            importlib.import_module(REPORT_MODULE)
+            readable, fmt_read = list(sources), fmt
+            if fmt == "jsonl" and local and convert.applies(sources):
+                readable, fmt_read = convert.convert(sources, Path(scratch)), "parquet"
+                log.debug("JSON converted to Parquet: %.1f s", time.monotonic() - started)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                _stop(starting.result(), cache)
+            raise
+        spark = starting.result()
+        log.debug("Spark started: %.1f s", time.monotonic() - started)
+        try:
+            return build_report(spark, readable, out, input_format=fmt_read, shown=sources)
+        finally:
+            _stop(spark, cache)
+
+
+def _stop(spark: SparkSession, cache: classcache.ClassCache | None) -> None:
+    jvm = getattr(SparkContext._gateway, "proc", None)  # the JVM PySpark started
+    with contextlib.suppress(Exception):
+        spark.stop()
+    if cache is not None:
+        cache.finish(jvm)
+
+
+def _start(
+    master: str | None, driver_memory: str | None, cache: classcache.ClassCache | None
+) -> SparkSession:
     with spark_errors():
-        spark = session.start(master, driver_memory=driver_memory)
+        return session.start(master, driver_memory=driver_memory, class_cache=cache)
+
+
+def _class_cache(directory: Path | None) -> classcache.ClassCache | None:
+    """The class-data archive in ``directory`` for the Java and Spark about to start."""
+    java = java_command(os.environ)
+    jars = Path(os.environ.get("SPARK_HOME") or Path(pyspark.__file__).parent) / "jars"
+    if directory is None or java is None or not jars.is_dir():
+        return None
     try:
-        return build_report(spark, sources, out, input_format=input_format)
-    finally:
-        with contextlib.suppress(Exception):
-            spark.stop()
+        return classcache.ClassCache.at(directory, java, jars)
+    except OSError as exc:  # an unwritable cache directory costs speed, not the report
+        log.warning("no JVM class cache in %s: %s", directory, exc)
+        return None
 
 
 def default_driver_memory() -> str:

@@ -5,6 +5,10 @@ its worst destination domains as charts, and the whole export gets outcome, late
 queue-age charts across zones.  The charts are drawn with matplotlib's Agg backend (no
 display needed) and embedded as ``data:`` URIs, so the file can be mailed or archived
 alone.  This module does not touch Spark: it renders rows the job has already collected.
+
+Charts are drawn on their own ``Figure`` objects, never through pyplot's global state, so
+``draw_charts`` may run while other threads work (the job draws each chart as soon as its
+table is there, while Spark computes the rest); ``render`` only assembles the page.
 """
 
 from __future__ import annotations
@@ -13,18 +17,16 @@ import base64
 import html
 import io
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")  # before pyplot: no display on servers and in CI
+# Figure.savefig picks the Agg canvas for PNG by itself: no backend, no display, no pyplot.
 logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its INFO lines are not ours
 
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-
 Rows = list[dict[str, Any]]
+Charts = dict[str, str]  # chart id -> base64 PNG
 
 MAX_ZONE_CHARTS: Final = 25  # zones with their own charts, the busiest first
 MAX_TABLE_ROWS: Final = 50  # rows shown per zone and table (the CSV files have them all)
@@ -60,24 +62,30 @@ img { max-width: 100%; }
 """
 
 
+def _figure(height: float) -> Figure:
+    # constrained layout fits the labels in one pass; bbox_inches="tight" drew every
+    # chart twice (a third of the report's rendering time)
+    return Figure(figsize=(8, height), layout="constrained")
+
+
 def chart_png(fig: Figure) -> str:
-    """The figure as a base64 PNG (and the figure closed: pyplot keeps them otherwise)."""
+    """The figure as a base64 PNG."""
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=80, bbox_inches="tight")
-    plt.close(fig)
+    fig.savefig(buffer, format="png", dpi=80)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def _img(chart_id: str, title: str, fig: Figure) -> str:
+def _img(chart_id: str, title: str, charts: Charts) -> str:
     return (
         f'<figure><img data-chart="{html.escape(chart_id)}" alt="{html.escape(title)}" '
-        f'src="data:image/png;base64,{chart_png(fig)}"><figcaption>{html.escape(title)}'
+        f'src="data:image/png;base64,{charts[chart_id]}"><figcaption>{html.escape(title)}'
         "</figcaption></figure>"
     )
 
 
 def _outcomes_chart(zones: Rows) -> Figure:
-    fig, ax = plt.subplots(figsize=(8, max(2.0, 0.4 * len(zones) + 1)))
+    fig = _figure(max(2.0, 0.4 * len(zones) + 1))
+    ax = fig.subplots()
     names = [row["zone"] for row in zones]
     left = [0.0] * len(zones)
     for kind in ("delivered", "deferred", "bounced", "expired", "dropped"):
@@ -90,7 +98,8 @@ def _outcomes_chart(zones: Rows) -> Figure:
 
 
 def _latency_chart(delivery: Rows) -> Figure:
-    fig, ax = plt.subplots(figsize=(8, max(2.0, 0.5 * len(delivery) + 1)))
+    fig = _figure(max(2.0, 0.5 * len(delivery) + 1))
+    ax = fig.subplots()
     names = [row["zone"] for row in delivery]
     height = 0.25
     for i, point in enumerate(("p50", "p95", "p99")):
@@ -103,7 +112,8 @@ def _latency_chart(delivery: Rows) -> Figure:
 
 
 def _queue_chart(queue_age: Rows) -> Figure:
-    fig, ax = plt.subplots(figsize=(8, max(2.0, 0.4 * len(queue_age) + 1)))
+    fig = _figure(max(2.0, 0.4 * len(queue_age) + 1))
+    ax = fig.subplots()
     labels = [f"{row['zone']} ({row['state']})" for row in queue_age]
     ax.barh(labels, [row["age_max_ms"] / 3_600_000 for row in queue_age], label="oldest")
     ax.barh(labels, [(row["age_p50_ms"] or 0) / 3_600_000 for row in queue_age], label="median")
@@ -113,7 +123,8 @@ def _queue_chart(queue_age: Rows) -> Figure:
 
 
 def _hourly_chart(rows: Rows) -> Figure:
-    fig, ax = plt.subplots(figsize=(8, 2.8))
+    fig = _figure(2.8)
+    ax = fig.subplots()
     hours = sorted({row["hour"] for row in rows})
     positions = range(len(hours))
     for kind, colour in OUTCOME_COLOURS.items():
@@ -129,7 +140,8 @@ def _hourly_chart(rows: Rows) -> Figure:
 
 def _domains_chart(rows: Rows) -> Figure:
     top = rows[:TOP_DOMAINS_CHARTED]
-    fig, ax = plt.subplots(figsize=(8, max(2.0, 0.35 * len(top) + 1)))
+    fig = _figure(max(2.0, 0.35 * len(top) + 1))
+    ax = fig.subplots()
     names = [row["domain"] for row in top]
     height = 0.4
     deferral = [row["deferral_rate"] or 0 for row in top]
@@ -165,8 +177,37 @@ def _of(rows: Rows, zone: str) -> Rows:
     return [{k: v for k, v in row.items() if k != "zone"} for row in rows if row["zone"] == zone]
 
 
-def render(tables: dict[str, Rows], *, inputs: Sequence[str], events: int) -> str:
-    """The whole report as one HTML document."""
+def _charted_zones(zones: Rows) -> list[str]:
+    busiest = sorted(zones, key=lambda row: (-row["accepted"], row["zone"]))
+    return [row["zone"] for row in busiest[:MAX_ZONE_CHARTS]]
+
+
+def draw_charts(tables: Mapping[str, Rows]) -> Charts:
+    """Every chart ``tables`` has the rows for: ``delivery`` gives the latency chart,
+    ``queue_age`` the queue-age chart, and ``zones`` with ``hourly`` and ``domains`` the
+    outcome chart and each busy zone's two."""
+    drawn: Charts = {}
+
+    def draw(chart_id: str, make: Callable[[Rows], Figure], rows: Rows) -> None:
+        if rows:
+            drawn[chart_id] = chart_png(make(rows))
+
+    draw("latency", _latency_chart, tables.get("delivery", []))
+    draw("queue-age", _queue_chart, tables.get("queue_age", []))
+    if {"zones", "hourly", "domains"} <= tables.keys():
+        draw("outcomes", _outcomes_chart, tables["zones"])
+        for zone in _charted_zones(tables["zones"]):
+            draw(f"hourly:{zone}", _hourly_chart, _of(tables["hourly"], zone))
+            draw(f"domains:{zone}", _domains_chart, _of(tables["domains"], zone))
+    return drawn
+
+
+def render(
+    tables: dict[str, Rows], *, inputs: Sequence[str], events: int, charts: Charts | None = None
+) -> str:
+    """The whole report as one HTML document; ``charts`` from ``draw_charts`` (drawn here
+    when not given)."""
+    drawn = draw_charts(tables) if charts is None else charts
     zones = tables["zones"]
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>zoneq analytics</title>",
@@ -178,35 +219,30 @@ def render(tables: dict[str, Rows], *, inputs: Sequence[str], events: int) -> st
         "<h2>All zones</h2>",
         _table(zones),
     ]
-    if zones:
-        parts.append(_img("outcomes", "Outcomes per zone", _outcomes_chart(zones)))
+    if "outcomes" in drawn:
+        parts.append(_img("outcomes", "Outcomes per zone", drawn))
     if tables["delivery"]:
         parts.append(_table(tables["delivery"]))
-        parts.append(
-            _img("latency", "Delivery latency per zone", _latency_chart(tables["delivery"]))
-        )
+    if "latency" in drawn:
+        parts.append(_img("latency", "Delivery latency per zone", drawn))
     if tables["queue_age"]:
         parts.append("<h3>Queue at export time</h3>" + _table(tables["queue_age"]))
-        parts.append(_img("queue-age", "Queue age per zone", _queue_chart(tables["queue_age"])))
-    busiest = sorted(zones, key=lambda row: (-row["accepted"], row["zone"]))
-    charted = {row["zone"] for row in busiest[:MAX_ZONE_CHARTS]}
+    if "queue-age" in drawn:
+        parts.append(_img("queue-age", "Queue age per zone", drawn))
     for row in zones:
-        zone = row["zone"]
-        parts.append(_zone_section(zone, tables, charts=zone in charted))
+        parts.append(_zone_section(row["zone"], tables, drawn))
     parts.append("</body></html>")
     return "".join(parts)
 
 
-def _zone_section(zone: str, tables: dict[str, Rows], *, charts: bool) -> str:
+def _zone_section(zone: str, tables: dict[str, Rows], charts: Charts) -> str:
     name = html.escape(zone)
     parts = [f'<section class="zone" data-zone="{name}"><h2>Zone {name}</h2>']
-    hourly = _of(tables["hourly"], zone)
-    domains = _of(tables["domains"], zone)
-    if charts and hourly:
-        parts.append(_img(f"hourly:{zone}", f"{zone}: volume per hour", _hourly_chart(hourly)))
-    if charts and domains:
+    if f"hourly:{zone}" in charts:
+        parts.append(_img(f"hourly:{zone}", f"{zone}: volume per hour", charts))
+    if f"domains:{zone}" in charts:
         title = f"{zone}: deferral and bounce rates, busiest domains"
-        parts.append(_img(f"domains:{zone}", title, _domains_chart(domains)))
+        parts.append(_img(f"domains:{zone}", title, charts))
     for title, key in (
         ("Delivery", "delivery"),
         ("Attempts per delivered recipient", "attempts"),

@@ -15,6 +15,8 @@ from typing import Final
 
 from pyspark.sql import SparkSession
 
+from zoneq.analytics.classcache import ClassCache
+
 DEFAULT_MASTER: Final = "local[*]"
 LOOPBACK: Final = "127.0.0.1"
 APP_NAME: Final = "zoneq-analytics"
@@ -49,9 +51,22 @@ def under_spark_submit() -> bool:
     return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
-def start(master: str | None = None, *, driver_memory: str | None = None) -> SparkSession:
+def runs_here(master: str | None) -> bool:
+    """Whether ``start(master)`` gives a Spark running in this process's JVM (local mode),
+    known before it starts: under spark-submit its master is known only from the session."""
+    if master is None:
+        return not under_spark_submit()
+    return is_local(master)
+
+
+def start(
+    master: str | None = None,
+    *,
+    driver_memory: str | None = None,
+    class_cache: ClassCache | None = None,
+) -> SparkSession:
     """A Spark session for the job.  ``master`` None: spark-submit's when it launched us,
-    else ``local[*]``."""
+    else ``local[*]``.  ``class_cache``: the JVM's class-data archive (local runs only)."""
     if master is None and not under_spark_submit():
         master = DEFAULT_MASTER
     builder = SparkSession.builder.appName(APP_NAME)
@@ -72,10 +87,13 @@ def start(master: str | None = None, *, driver_memory: str | None = None) -> Spa
         builder = builder.config("spark.driver.host", LOOPBACK).config(
             "spark.driver.bindAddress", LOOPBACK
         )
-        # A report is a dozen short queries: the JVM's C2 compiler spent more CPU compiling
-        # them than they ran for.  C1 only, measured on 1 M Parquet events with 2 cores:
-        # 20 CPU-s for the job instead of 34 (tools/bench/analytics_bench.py).
+        # A report is a few short queries: the JVM's C2 compiler spends more CPU compiling
+        # them than they run for.  C1 only, measured on 1 M Parquet events with 2 cores
+        # (tools/bench/analytics_bench.py, class cache on): 16-19 CPU-s for the whole job
+        # instead of 23; G1, Parallel and Serial GC made no difference beyond the noise.
         java_options.append("-XX:TieredStopAtLevel=1")
+        if class_cache is not None and not under_spark_submit():
+            java_options.extend(class_cache.java_options())
     builder = builder.config("spark.driver.extraJavaOptions", " ".join(java_options))
     if driver_memory is not None and not under_spark_submit():  # its JVM is running already
         builder = builder.config("spark.driver.memory", driver_memory)

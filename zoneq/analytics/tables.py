@@ -1,4 +1,4 @@
-"""The report's tables, each a Spark DataFrame computed from the events (and the queue).
+"""The Spark side of the report: four aggregations over the events and the queue.
 
 Definitions (the HTML report repeats them next to each table):
 
@@ -16,6 +16,17 @@ Definitions (the HTML report repeats them next to each table):
   queued (one event per message and zone, ``events.py``) and every other event as one.
 
 Times are UTC (the session's time zone is set to UTC in ``session.py``).
+
+Why so few queries: on a cold JVM each Spark query costs about a second before its first
+row (planning, generating and compiling its code, which then runs interpreted until the
+JIT catches up), more than reading a million Parquet rows.  So every table that is a count
+or a sum comes out of *one* aggregation, ``facets``: each event row is turned into one row
+per facet it counts in (its hour, its attempt number, its domain, MX, source address,
+reply line), and one ``groupBy`` counts them all.  The driver then pivots and sorts those
+few thousand counts into the report's tables (``derive.py``).  Only what cannot be summed
+from counts gets a query of its own: the latency percentiles (``delivery``) and the queue
+tables.  No query sorts (``orderBy`` is a range-partitioning job of its own); the driver
+sorts the small results.
 """
 
 from __future__ import annotations
@@ -34,13 +45,76 @@ NO_MX: Final = "(no MX reached)"
 NO_SOURCE: Final = "(none)"
 HOUR_MS: Final = 3_600_000
 
+# The facets of one event, and the key columns (``num``, ``s1``..``s3``) each one fills.
+HOURLY: Final = 0  # num: the hour (time_ms // HOUR_MS); every event, so also the counts
+ATTEMPTS: Final = 1  # num: the attempt number of a delivered event
+DOMAIN: Final = 2  # s1: the destination domain of an attempt
+MX: Final = 3  # s1: the MX host of an attempt (NO_MX when none was reached)
+SOURCE: Final = 4  # s1: the source address of an attempt (NO_SOURCE when none)
+REPLY: Final = 5  # s1, s2, s3: text, code, enhanced code of a reply (top TOP_REPLIES only)
+RATE_FACETS: Final = {
+    "domains": (DOMAIN, "domain"),
+    "mx": (MX, "mx"),
+    "sources": (SOURCE, "source_ip"),
+}
+FACET_KEYS: Final = ("v", "zone", "kind", "facet", "num", "s1", "s2", "s3")
 
-def _count_kind(kind: str) -> Column:
-    return F.sum(F.when(F.col("kind") == kind, 1).otherwise(0)).cast("long").alias(kind)
+
+def _facet(
+    facet: int,
+    num: Column | None = None,
+    s1: Column | None = None,
+    s2: Column | None = None,
+    s3: Column | None = None,
+) -> Column:
+    """One facet row; the keys it does not use are null (Columns need a session: built
+    here, not at import)."""
+    text = F.lit(None).cast("string")
+    return F.struct(
+        F.lit(facet).alias("facet"),
+        (F.lit(None) if num is None else num).cast("long").alias("num"),
+        *((text if c is None else c).alias(f"s{i}") for i, c in enumerate((s1, s2, s3), 1)),
+    )
 
 
-def _ratio(numerator: Column, denominator: Column) -> Column:
-    return F.when(denominator > 0, numerator / denominator)
+def facets(events: DataFrame) -> DataFrame:
+    """Counts per zone, kind and facet value: ``n`` events, ``weight`` recipients.
+
+    ``weight`` is the recipients an accepted event queued and 1 for any other event (the
+    hourly volumes' unit).  The schema version ``v`` is a key as well, so the same pass
+    also checks the export's version.  Reply lines are ranked here (``rank``, among the
+    zone's replies of that outcome) and only the first ``TOP_REPLIES`` leave Spark: reply
+    texts can carry queue ids and be nearly unique, and the driver should not get them all.
+    """
+    kind = F.col("kind")
+    tried = kind.isin(*ATTEMPT_KINDS)
+    replied = kind.isin(*REPLY_KINDS)
+    rows = F.array(
+        _facet(HOURLY, F.floor(F.col("time_ms") / HOUR_MS)),
+        F.when(kind == "delivered", _facet(ATTEMPTS, F.col("attempt"))),
+        F.when(tried, _facet(DOMAIN, s1=F.col("domain"))),
+        F.when(tried, _facet(MX, s1=F.coalesce(F.col("mx"), F.lit(NO_MX)))),
+        F.when(tried, _facet(SOURCE, s1=F.coalesce(F.col("source_ip"), F.lit(NO_SOURCE)))),
+        F.when(
+            replied,
+            _facet(
+                REPLY,
+                s1=F.coalesce(F.col("text"), F.lit("")),
+                s2=F.coalesce(F.col("code").cast("string"), F.lit("")),
+                s3=F.coalesce(F.col("enhanced"), F.lit("")),
+            ),
+        ),
+    )
+    weight = F.when(kind == "accepted", F.col("recipients")).otherwise(1)
+    exploded = events.select(
+        "v", "zone", "kind", weight.alias("weight"), F.explode(rows).alias("f")
+    ).where(F.col("f").isNotNull())
+    counts = exploded.groupBy(
+        "v", "zone", "kind", *(F.col(f"f.{key}").alias(key) for key in FACET_KEYS[3:])
+    ).agg(F.count(F.lit(1)).alias("n"), F.sum("weight").cast("long").alias("weight"))
+    order = Window.partitionBy("facet", "zone", "kind").orderBy(F.desc("n"), "s1", "s2", "s3")
+    ranked = counts.withColumn("rank", F.row_number().over(order))
+    return ranked.where((F.col("facet") != REPLY) | (F.col("rank") <= TOP_REPLIES))
 
 
 def _percentiles(column: str, name: str, points: tuple[float, ...]) -> list[Column]:
@@ -50,108 +124,33 @@ def _percentiles(column: str, name: str, points: tuple[float, ...]) -> list[Colu
     ]
 
 
-def zones(events: DataFrame) -> DataFrame:
-    """Per zone: recipients accepted and events of every other kind."""
-    accepted = F.sum(F.when(F.col("kind") == "accepted", F.col("recipients")).otherwise(0))
-    counts = [_count_kind(kind) for kind in ALL_KINDS if kind != "accepted"]
-    return (
-        events.groupBy("zone").agg(accepted.cast("long").alias("accepted"), *counts).orderBy("zone")
-    )
-
-
-def hourly(events: DataFrame) -> DataFrame:
-    """Per zone, hour and outcome: recipients (volumes by outcome per hour)."""
-    hour = F.from_unixtime(F.floor(F.col("time_ms") / HOUR_MS) * 3600, "yyyy-MM-dd HH:00")
-    weight = F.when(F.col("kind") == "accepted", F.col("recipients")).otherwise(1)
-    return (
-        events.groupBy("zone", hour.alias("hour"), F.col("kind").alias("outcome"))
-        .agg(F.sum(weight).cast("long").alias("recipients"))
-        .orderBy("zone", "hour", "outcome")
-    )
-
-
 def delivery(events: DataFrame) -> DataFrame:
     """Per zone: delivered recipients, latency percentiles, attempts per delivered one."""
     delivered = events.where(F.col("kind") == "delivered").withColumn(
         "latency_ms", F.col("time_ms") - F.col("queued_at_ms")
     )
-    return (
-        delivered.groupBy("zone")
-        .agg(
-            F.count(F.lit(1)).alias("delivered"),
-            *_percentiles("latency_ms", "latency", (0.5, 0.95, 0.99)),
-            F.avg("attempt").alias("attempts_mean"),
-            F.max("attempt").cast("long").alias("attempts_max"),
-        )
-        .orderBy("zone")
-    )
-
-
-def attempts(events: DataFrame) -> DataFrame:
-    """Per zone: how many delivered recipients needed 1, 2, ... attempts."""
-    return (
-        events.where(F.col("kind") == "delivered")
-        .groupBy("zone", F.col("attempt").alias("attempts"))
-        .agg(F.count(F.lit(1)).alias("delivered"))
-        .orderBy("zone", "attempts")
-    )
-
-
-def rates_by(events: DataFrame, key: str, label: str, missing: str) -> DataFrame:
-    """Per zone and ``key`` (domain, MX, source address): attempts, outcomes and rates."""
-    tried = events.where(F.col("kind").isin(*ATTEMPT_KINDS)).withColumn(
-        label, F.coalesce(F.col(key), F.lit(missing))
-    )
-    counts = tried.groupBy("zone", label).agg(
-        F.count(F.lit(1)).alias("attempts"), *[_count_kind(kind) for kind in ATTEMPT_KINDS]
-    )
-    finished = F.col("delivered") + F.col("bounced") + F.col("expired")
-    return counts.select(
-        "*",
-        _ratio(F.col("deferred"), F.col("attempts")).alias("deferral_rate"),
-        _ratio(F.col("bounced") + F.col("expired"), finished).alias("bounce_rate"),
-    ).orderBy("zone", F.desc("attempts"), label)
-
-
-def replies(events: DataFrame) -> DataFrame:
-    """Per zone and category (outcome): the ``TOP_REPLIES`` most frequent reply texts."""
-    failed = events.where(F.col("kind").isin(*REPLY_KINDS)).select(
-        "zone",
-        F.col("kind").alias("outcome"),
-        F.coalesce(F.col("code").cast("string"), F.lit("")).alias("code"),
-        F.coalesce(F.col("enhanced"), F.lit("")).alias("enhanced"),
-        F.coalesce(F.col("text"), F.lit("")).alias("text"),
-    )
-    counted = failed.groupBy("zone", "outcome", "code", "enhanced", "text").agg(
-        F.count(F.lit(1)).alias("events")
-    )
-    order = Window.partitionBy("zone", "outcome").orderBy(
-        F.desc("events"), "text", "code", "enhanced"
-    )
-    return (
-        counted.withColumn("rank", F.row_number().over(order))
-        .where(F.col("rank") <= TOP_REPLIES)
-        .orderBy("zone", "outcome", "rank")
+    return delivered.groupBy("zone").agg(
+        F.count(F.lit(1)).alias("delivered"),
+        *_percentiles("latency_ms", "latency", (0.5, 0.95, 0.99)),
+        F.avg("attempt").alias("attempts_mean"),
+        F.max("attempt").cast("long").alias("attempts_max"),
     )
 
 
 def queue_age(queue: DataFrame) -> DataFrame:
-    """Per zone and state, at export time: recipients waiting and how long they have."""
-    return (
-        queue.groupBy("zone", "state")
-        .agg(
-            F.count(F.lit(1)).alias("recipients"),
-            *_percentiles("age_ms", "age", (0.5, 0.95)),
-            F.max("age_ms").alias("age_max_ms"),
-        )
-        .orderBy("zone", "state")
+    """Per zone and state, at export time: recipients waiting and how long they have.
+
+    Grouped by the schema version ``v`` as well: the job refuses the queue export unless
+    ``v`` has one value, and then the groups are the same."""
+    return queue.groupBy("zone", "state", "v").agg(
+        F.count(F.lit(1)).alias("recipients"),
+        *_percentiles("age_ms", "age", (0.5, 0.95)),
+        F.max("age_ms").alias("age_max_ms"),
     )
 
 
 def queue_domains(queue: DataFrame) -> DataFrame:
     """Per zone and destination domain, at export time: recipients waiting, oldest age."""
-    return (
-        queue.groupBy("zone", "domain")
-        .agg(F.count(F.lit(1)).alias("recipients"), F.max("age_ms").alias("age_max_ms"))
-        .orderBy("zone", F.desc("recipients"), "domain")
+    return queue.groupBy("zone", "domain").agg(
+        F.count(F.lit(1)).alias("recipients"), F.max("age_ms").alias("age_max_ms")
     )
