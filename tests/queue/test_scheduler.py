@@ -68,8 +68,7 @@ def test_no_window_ever_holds_more_than_the_rate_allows(
 
 def test_domain_slots_limit_each_domain_separately() -> None:
     slots = DomainSlots(2, {"big.example": 3})
-    for _ in range(2):
-        slots.acquire("a.example")
+    held = [slots.acquire("a.example") for _ in range(2)]
     assert not slots.available("a.example")
     assert slots.available("b.example")
     for _ in range(3):
@@ -77,12 +76,11 @@ def test_domain_slots_limit_each_domain_separately() -> None:
     assert not slots.available("big.example")
     with pytest.raises(RuntimeError):
         slots.acquire("a.example")
-    slots.release("a.example")
+    assert slots.release(held[0])
     assert slots.available("a.example")
     assert slots.in_flight("a.example") == 1
-    slots.release("a.example")
-    with pytest.raises(RuntimeError):
-        slots.release("a.example")
+    assert slots.release(held[1])
+    assert not slots.release(held[1])  # released once only
 
 
 # --- planning jobs --------------------------------------------------------------------------
@@ -131,14 +129,14 @@ def test_queue_skips_a_busy_domain_and_keeps_its_job() -> None:
     slots = DomainSlots(1)
     rate = RateLimiter(0, 1000)
     first = queue.take(slots, rate, 0)
-    assert first is not None and first.msg_id == 1
+    assert first is not None and first[0].msg_id == 1
     second = queue.take(slots, rate, 0)  # domain a is busy: b goes ahead
-    assert second is not None and second.msg_id == 3
+    assert second is not None and second[0].msg_id == 3
     assert queue.take(slots, rate, 0) is None
     assert queue.blocked_domains(slots) == {"a"}
-    slots.release("a")
+    slots.release(first[1])
     third = queue.take(slots, rate, 0)
-    assert third is not None and third.msg_id == 2
+    assert third is not None and third[0].msg_id == 2
     assert len(queue) == 0
 
 
@@ -150,7 +148,7 @@ def test_queue_waits_for_the_rate_and_keeps_order() -> None:
     assert queue.take(slots, rate, 0) is not None
     assert queue.take(slots, rate, 500) is None
     job = queue.take(slots, rate, 1000)
-    assert job is not None and job.msg_id == 2
+    assert job is not None and job[0].msg_id == 2
     assert slots.in_flight("a") == 1 and slots.in_flight("b") == 1
 
 

@@ -9,7 +9,8 @@ handed to zone workers in the order of their oldest recipient, subject to two li
 hold for the zone as a whole, because the core enforces them centrally (ZoneMTA throttled
 per connection, which its users found useless):
 
-* a connection limit per destination domain: a job in flight holds one slot of its domain;
+* a connection limit per destination domain (and per MX host): a connection of the zone's
+  workers, with a job on it or kept idle for the next, holds one slot of its domain;
 * a zone-wide rate (jobs per second, minute or hour), spread evenly with GCRA, the generic
   cell rate algorithm: each job moves a "theoretical arrival time" on by one interval, and
   a job may start only while that time is at most ``burst - 1`` intervals ahead of now.
@@ -17,36 +18,35 @@ per connection, which its users found useless):
 A job whose domain is at its limit is skipped for now, not dropped: the next free slot of
 that domain picks it up, while jobs for other domains go ahead of it.
 
-Per-MX limits (issue 5): many domains share one provider's MX hosts, and a limit per domain
-alone lets a thousand small domains on one provider open a thousand connections to it.  The
-core does not resolve MX (the workers do), so ``DomainSlots`` *learns* each domain's MX host
-from the reports (every outcome names the host it was about) and counts a domain's jobs
-against the limit of its MX host as well, across every domain known to share it.  The
-learning window: until the first report for a domain arrives, its jobs count against its
-domain limit only; so at most ``domain limit`` connections per newly seen domain can go
-beyond an MX limit, once.  Only domains whose MX host has a limit are remembered, at most
-``MAX_LEARNT`` of them (the oldest learnt is forgotten first, and is learnt again by its
-next report).
+Per-MX limits (issue 5) and what a slot is: ``slots.py``.  A slot is held while its
+connection is open, idle ones kept for reuse included, so a job whose domain has no free
+slot may still start on a connection the asking worker holds idle for that domain or its
+MX host (``DomainSlots.reusable``): that worker is the one to get it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Generic, TypeVar
+from typing import Generic, TypeVar
 
-from zoneq.config.zones import limit_for
-
-if TYPE_CHECKING:  # feedback.py builds on RateLimiter below; the scheduler only calls it
-    from zoneq.queue.feedback import DomainFeedback
+from zoneq.queue.slots import MAX_LEARNT, DomainSlots
 
 T = TypeVar("T")
 
 DEFAULT_MAX_RECIPIENTS = 50
 
-MAX_LEARNT: Final = 100_000
-"""Domains whose MX host (with a limit) is remembered; and limits looked up, cached."""
+__all__ = [
+    "DEFAULT_MAX_RECIPIENTS",
+    "MAX_LEARNT",
+    "ZONE_BURST",
+    "DomainSlots",
+    "JobQueue",
+    "Planned",
+    "RateLimiter",
+    "plan_jobs",
+]
 
 ZONE_BURST = 2
 """GCRA's tolerance for a zone's rate, in jobs: 2 lets a job start up to one interval early.
@@ -100,117 +100,6 @@ class RateLimiter:
         return True
 
 
-class DomainSlots:
-    """Connections in flight per destination domain, against a limit per domain and one
-    per MX host (see the module's docstring).
-
-    ``limits`` and ``mx_limits`` are the config's ``domain_limits`` and ``mx_limits``: a
-    name, or a parent written with a leading dot (``limit_for``).  With ``feedback``
-    (``feedback.py``), a domain a remote server asked to slow down has a lower limit and a
-    rate of its own for a while.
-    """
-
-    def __init__(
-        self,
-        default_limit: int,
-        limits: Mapping[str, int] | None = None,
-        feedback: DomainFeedback | None = None,
-        mx_limits: Mapping[str, int] | None = None,
-    ) -> None:
-        if default_limit < 1:
-            raise ValueError("a domain connection limit must be at least 1")
-        self._default = default_limit
-        self._limits = dict(limits or {})
-        self._mx_limits = dict(mx_limits or {})
-        self._busy: dict[str, int] = {}
-        self._domain_limit: dict[str, int] = {}  # limit_for's answers, cached
-        self._mx_of: dict[str, tuple[str, int]] = {}  # domain -> (MX host, its limit)
-        self._mx_busy: dict[str, int] = {}  # MX host -> jobs in flight counted against it
-        self._charged: dict[str, dict[str, int]] = {}  # domain -> MX host -> jobs counted
-        self.feedback = feedback
-
-    def limit(self, domain: str) -> int:
-        normal = self._domain_limit.get(domain)
-        if normal is None:
-            found = limit_for(self._limits, domain) if self._limits else None
-            normal = self._default if found is None else found
-            if len(self._domain_limit) >= MAX_LEARNT:
-                self._domain_limit.clear()
-            self._domain_limit[domain] = normal
-        return normal if self.feedback is None else self.feedback.limit(domain, normal)
-
-    def in_flight(self, domain: str) -> int:
-        return self._busy.get(domain, 0)
-
-    def mx_in_flight(self, mx_host: str) -> int:
-        return self._mx_busy.get(mx_host.lower().rstrip("."), 0)
-
-    def learn(self, domain: str, mx_host: str) -> None:
-        """A report says ``domain`` was delivered (or tried) through ``mx_host``."""
-        if not self._mx_limits:
-            return
-        host = mx_host.lower().rstrip(".")
-        known = self._mx_of.get(domain)
-        if known is not None and known[0] == host:
-            return
-        limit = limit_for(self._mx_limits, host)
-        if limit is None:
-            self._mx_of.pop(domain, None)
-            return
-        if known is None and len(self._mx_of) >= MAX_LEARNT:
-            del self._mx_of[next(iter(self._mx_of))]
-        self._mx_of[domain] = (host, limit)
-
-    def available(self, domain: str) -> bool:
-        if self._busy.get(domain, 0) >= self.limit(domain):
-            return False
-        mx = self._mx_of.get(domain)
-        if mx is not None and self._mx_busy.get(mx[0], 0) >= mx[1]:
-            return False
-        return self.feedback is None or self.feedback.may_start(domain)
-
-    def acquire(self, domain: str) -> None:
-        if not self.available(domain):
-            raise RuntimeError(f"no free connection slot for {domain}")
-        self._busy[domain] = self._busy.get(domain, 0) + 1
-        mx = self._mx_of.get(domain)
-        if mx is not None:
-            # Remember which host this job was counted against: the domain's MX may be
-            # learnt anew before the job is released.
-            host = mx[0]
-            self._mx_busy[host] = self._mx_busy.get(host, 0) + 1
-            charged = self._charged.setdefault(domain, {})
-            charged[host] = charged.get(host, 0) + 1
-        if self.feedback is not None:
-            self.feedback.started(domain)
-
-    def release(self, domain: str) -> None:
-        left = self._busy.get(domain, 0) - 1
-        if left < 0:
-            raise RuntimeError(f"released a slot of {domain} that was not held")
-        if left:
-            self._busy[domain] = left
-        else:
-            del self._busy[domain]
-        charged = self._charged.get(domain)
-        if charged and left < sum(charged.values()):
-            # Jobs started before the domain's MX was learnt were not counted against it;
-            # uncount only as many as were counted.
-            host = next(iter(charged))
-            _decrement(charged, host)
-            _decrement(self._mx_busy, host)
-            if not charged:
-                del self._charged[domain]
-
-
-def _decrement(counts: dict[str, int], key: str) -> None:
-    left = counts[key] - 1
-    if left:
-        counts[key] = left
-    else:
-        del counts[key]
-
-
 @dataclass(frozen=True, slots=True)
 class Planned(Generic[T]):
     """One future SMTP transaction: recipients (leases) of one message for one domain."""
@@ -253,25 +142,29 @@ class JobQueue(Generic[T]):
     def extend(self, jobs: Sequence[Planned[T]]) -> None:
         self._jobs.extend(jobs)
 
-    def take(self, slots: DomainSlots, rate: RateLimiter, now_ms: float) -> Planned[T] | None:
-        """The oldest job whose domain has a free slot, if the zone's rate allows one now.
+    def take(
+        self, slots: DomainSlots, rate: RateLimiter, now_ms: float, owner: str = ""
+    ) -> tuple[Planned[T], int] | None:
+        """The oldest job ``owner`` may start now (a free slot of its domain, or one the
+        owner holds idle that fits), if the zone's rate allows one; with its slot's id.
 
         The rate is checked first: a job not started for want of rate keeps its place.
         """
         if rate.wait_ms(now_ms) > 0:
             return None
         for index, job in enumerate(self._jobs):
-            if slots.available(job.domain):
-                if not rate.take(now_ms):
+            slot = slots.try_acquire(job.domain, owner)
+            if slot is not None:
+                if not rate.take(now_ms):  # not after wait_ms said 0; but never one too many
+                    slots.put_back(slot)
                     return None
                 del self._jobs[index]
-                slots.acquire(job.domain)
-                return job
+                return job, slot
         return None
 
     def blocked_domains(self, slots: DomainSlots) -> set[str]:
-        """Domains with jobs waiting here that are at their connection limit."""
-        return {job.domain for job in self._jobs if not slots.available(job.domain)}
+        """Domains with jobs waiting here that no worker could start now."""
+        return {job.domain for job in self._jobs if not slots.could_start(job.domain)}
 
     def remove(self, msg_id: int) -> list[Planned[T]]:
         """Take out the waiting jobs of one message (an administrator holds or drops it)."""

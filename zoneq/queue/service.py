@@ -14,6 +14,14 @@ match (the worker was too slow, the message was dropped, the core restarted) is 
 The service remembers which worker connection holds which token, so a worker that goes
 away has all its recipients returned at once, ready again.
 
+Connection slots (``slots.py``): every job holds a slot of its domain (and MX host), named
+in ``Job.slot``.  A worker that keeps the job's connection for the next message says so in
+its report (``kept``), and the slot stays held, idle, by that worker until it says the
+connection is closed (``closed``) or a job it is granted takes the slot up again; a slot
+the core wants closed (above a lowered or newly learnt limit) is named to the worker in
+its next reply (``closing``).  So the limits hold for connections open at the remote end,
+idle ones included, while connections are still reused (issue 3).
+
 Outcomes: DELIVERED completes the recipient; RETURNED gives it back untried; DEFERRED waits
 for the zone's retry schedule, or expires into a bounce once the schedule gives up;
 BOUNCED removes it with a DSN (``bounces.py``) queued in the bounce zone in the same batch.
@@ -36,7 +44,7 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final
 
@@ -95,6 +103,7 @@ class Job:
     recipients: tuple[JobRecipient, ...]
     body: bytes | None = None  # the whole body when it is one chunk: saves the worker a fetch
     rested: frozenset[str] = frozenset()  # source addresses to avoid for this domain now
+    slot: int = 0  # the connection slot it holds (``slots.py``); the worker keeps it idle
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +128,7 @@ class _Running:
     tokens: set[int]
     size: int = 0  # the message's size, for the outcome events (issue 6)
     sender: str = ""  # for the outcome hooks
+    slot: int = 0  # its connection slot: released, or kept idle, when the job is reported
 
 
 @dataclass(slots=True)
@@ -228,7 +238,8 @@ class QueueService:
             state.wake.clear()
             jobs = [] if zone in self._paused else self._take(state, owner, max_jobs)
             remaining = deadline - loop.time()
-            if jobs or remaining <= 0:
+            # A worker told to close idle connections hears of it now, not after the wait.
+            if jobs or remaining <= 0 or state.slots.has_closing(owner):
                 return jobs
             pause = remaining
             rate_wait = state.rate.wait_ms(self._clock())
@@ -241,12 +252,12 @@ class QueueService:
         jobs: list[Job] = []
         now = self._clock()
         while len(jobs) < max_jobs:
-            planned = state.queue.take(state.slots, state.rate, now)
-            if planned is None:
+            taken = state.queue.take(state.slots, state.rate, now, owner)
+            if taken is None:
                 if not self._refill(state):
                     break
                 continue
-            job = self._hand_out(state, owner, planned)
+            job = self._hand_out(state, owner, *taken)
             if job is not None:
                 jobs.append(job)
         return jobs
@@ -261,7 +272,7 @@ class QueueService:
             state.name,
             room,
             CORE_OWNER,
-            accept=lambda r: r.domain not in blocked and state.slots.available(r.domain),
+            accept=lambda r: r.domain not in blocked and state.slots.could_start(r.domain),
         )
         if not leases:
             return False
@@ -274,7 +285,7 @@ class QueueService:
         )
         return True
 
-    def _hand_out(self, state: _Zone, owner: str, planned: Planned[Lease]) -> Job | None:
+    def _hand_out(self, state: _Zone, owner: str, planned: Planned[Lease], slot: int) -> Job | None:
         # Recipients wait here leased to the core; one an administrator dropped meanwhile has
         # had its lease revoked, and must not go out.
         current = [lease for lease in planned.items if self._store.holds(lease)]
@@ -285,18 +296,19 @@ class QueueService:
             except NotFound:
                 meta = None
         if meta is None:
-            state.slots.release(planned.domain)
+            state.slots.put_back(slot)
             return None
         planned = Planned(planned.msg_id, planned.domain, tuple(current))
         job_id = next(self._job_ids)
         tokens = {lease.token for lease in planned.items}
         self._running[job_id] = _Running(
-            state.name, planned.domain, owner, tokens, meta.size, meta.sender
+            state.name, planned.domain, owner, tokens, meta.size, meta.sender, slot
         )
         for lease in planned.items:
             self._leases[lease.token] = (lease, job_id)
         feedback = state.slots.feedback
         return Job(
+            slot=slot,
             rested=feedback.rested(planned.domain) if feedback is not None else frozenset(),
             body=self._inline_body(meta),
             msg_id=meta.msg_id,
@@ -329,27 +341,32 @@ class QueueService:
         except NotFound:
             return None
 
-    def _finish(self, token: int) -> Lease:
-        """Forget a reported token; free its job's slot once the job is fully reported."""
+    def _finish(self, token: int, kept: Container[int] = ()) -> Lease:
+        """Forget a reported token; once its job is fully reported, its slot is kept idle
+        if the worker kept the connection (``kept``), else freed."""
         lease, job_id = self._leases.pop(token)
         running = self._running[job_id]
         running.tokens.discard(token)
         if not running.tokens:
             del self._running[job_id]
             zone = self._zone(running.zone)
-            zone.slots.release(running.domain)
+            if running.slot in kept:
+                zone.slots.keep(running.slot, running.owner)  # idle, or told to close
+            else:
+                zone.slots.release(running.slot)
             zone.wake.set()
         return lease
 
     # --- reports --------------------------------------------------------------------------
 
     async def report(
-        self, owner: str, outcomes: Sequence[RecipientOutcome]
+        self, owner: str, outcomes: Sequence[RecipientOutcome], kept: Container[int] = ()
     ) -> tuple[list[int], list[int]]:
         """Apply a worker's outcomes; returns (accepted tokens, refused tokens).
 
         A token is refused when it is not (or no longer) this worker's, or when the store
         no longer holds its lease (an administrator dropped the message meanwhile).
+        ``kept``: the slots of the reported jobs whose connections the worker keeps idle.
         """
         now = self._clock()
         refused: list[int] = []
@@ -357,7 +374,7 @@ class QueueService:
         failures: dict[int, list[tuple[int, Lease, Failure, Outcome, bool]]] = {}
         told: list[tuple[Lease, RecipientOutcome, _Running]] = []
         for reported in outcomes:
-            claimed = self._claim(owner, reported)
+            claimed = self._claim(owner, reported, kept)
             if claimed is None:
                 refused.append(reported.token)
                 continue
@@ -411,7 +428,7 @@ class QueueService:
         return accepted, sorted(set(refused))
 
     def _claim(
-        self, owner: str, reported: RecipientOutcome
+        self, owner: str, reported: RecipientOutcome, kept: Container[int] = ()
     ) -> tuple[Lease, RecipientOutcome, _Running] | None:
         """End the lease ``reported`` is about, if it is ``owner``'s (None if not); the
         outcome as the reply rules judge it."""
@@ -422,7 +439,7 @@ class QueueService:
         if reported.mx is not None:  # per-MX limits learn which host serves the domain
             self._zone(running.zone).slots.learn(running.domain, reported.mx)
         item = self._judged(running, reported)
-        return self._finish(item.token), item, running
+        return self._finish(item.token, kept), item, running
 
     def _judged(self, running: _Running, item: RecipientOutcome) -> RecipientOutcome:
         """Feed a failure's reply to the zone's feedback (``feedback.py``), and let the reply
@@ -437,6 +454,8 @@ class QueueService:
         action = feedback.observe(
             running.domain, item.code, item.enhanced, item.reply, item.source_ip
         )
+        if action is ReplyAction.SLOW_DOWN:  # a lower limit: idle connections above it close
+            self._zone(running.zone).slots.trim_domain(running.domain)
         result = _RULED.get(action) if action is not None else None
         if result is None or result is item.result:
             return item
@@ -574,7 +593,8 @@ class QueueService:
         return self._store.chunk(msg_id, index)
 
     def disconnected(self, owner: str) -> int:
-        """A worker went away: everything it held is ready again at once; how many."""
+        """A worker went away: everything it held is ready again at once; how many.  Its
+        connections went with it, so the slots it held idle are free too."""
         mine = [
             token for token, (_, job) in self._leases.items() if self._running[job].owner == owner
         ]
@@ -582,7 +602,25 @@ class QueueService:
             lease = self._finish(token)
             with contextlib.suppress(LeaseError):  # revoked meanwhile (dropped by an admin)
                 self._store.release(lease)
+        for zone in self._zones.values():
+            if zone.slots.disconnect(owner):
+                zone.wake.set()
         return len(mine)
+
+    def closed(self, zone: str, owner: str, slots: Iterable[int]) -> None:
+        """``owner`` closed the idle connections of ``slots`` (or took them up under other
+        slots): those slots are free.  Apply before the outcomes of the same report."""
+        state = self._zones.get(zone)
+        if state is None:
+            return
+        freed = [slot for slot in slots if state.slots.closed(slot, owner)]
+        if freed:
+            state.wake.set()
+
+    def closing(self, zone: str, owner: str) -> tuple[int, ...]:
+        """The slots whose idle connections ``owner`` must close now (each told once)."""
+        state = self._zones.get(zone)
+        return state.slots.closing(owner) if state is not None else ()
 
     # --- timers ---------------------------------------------------------------------------
 
