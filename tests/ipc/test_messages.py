@@ -4,6 +4,7 @@ bad input with a ProtocolError naming the field; errors map to kinds and back.""
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 import pytest
@@ -73,7 +74,9 @@ jobs = st.builds(
     body_8bit=st.booleans(),
     recipients=st.lists(recipients, max_size=4).map(tuple),
     rested=st.lists(text, max_size=3).map(tuple),
+    slot=st.integers(0, 2**63),
 )
+slot_ids = st.lists(st.integers(0, 2**63), max_size=4).map(tuple)
 reports = st.builds(
     RecipientReport,
     token=u64,
@@ -93,17 +96,20 @@ requests: st.SearchStrategy[Request] = st.one_of(
         Report,
         results=st.lists(reports, max_size=5).map(tuple),
         lease_jobs=st.integers(0, 2**32),
+        kept=slot_ids,
+        closed=slot_ids,
     ),
 )
 replies: st.SearchStrategy[Reply] = st.one_of(
     st.builds(Welcome, core_pid=i64),
-    st.builds(LeaseReply, jobs=st.lists(jobs, max_size=3).map(tuple)),
+    st.builds(LeaseReply, jobs=st.lists(jobs, max_size=3).map(tuple), close=slot_ids),
     st.builds(ChunkReply, data=st.binary(max_size=4096)),
     st.builds(
         ReportReply,
         accepted=st.lists(u64).map(tuple),
         refused=st.lists(u64).map(tuple),
         jobs=st.lists(jobs, max_size=2).map(tuple),
+        close=slot_ids,
     ),
     st.builds(ErrorReply, kind=text, message=text),
 )
@@ -369,3 +375,73 @@ def test_report_reply_carries_jobs_in_the_lease_reply_form() -> None:
     wire = seal(8, ReportReply(accepted=(1,), jobs=(job,)))["body"]
     assert wire == {"accepted": [1], "refused": [], "jobs": [job.to_wire()]}
     assert seal(9, Report(results=(), lease_jobs=1))["body"] == {"results": [], "lease_jobs": 1}
+
+
+# --- connection slots (issue 5): optional both ways ----------------------------------------
+
+SLOTTED_JOB = Job(msg_id=1, sender="", size=3, chunks=1, domain="d").to_wire()
+del SLOTTED_JOB["slot"]  # as a core of the previous release sends it
+
+
+@pytest.mark.parametrize(
+    ("verb", "body", "decoded"),
+    [
+        # A worker of the previous release keeps nothing under a slot and closes nothing.
+        ("report", {"results": []}, Report(results=())),
+        ("report", {"results": [], "kept": None, "closed": None}, Report(results=())),
+        ("report", {"results": [], "kept": [4]}, Report(results=(), kept=(4,))),
+        ("report", {"results": [], "closed": [5, 6]}, Report(results=(), closed=(5, 6))),
+    ],
+)
+def test_report_names_kept_and_closed_slots_only_when_it_has_any(
+    verb: str, body: object, decoded: Request
+) -> None:
+    assert decode_request(open_envelope(envelope_of(verb, body))) == decoded
+
+
+@pytest.mark.parametrize(
+    ("verb", "body", "decoded"),
+    [
+        # A core of the previous release asks for nothing to be closed.
+        ("leased", {"jobs": []}, LeaseReply()),
+        ("leased", {"jobs": [], "close": [3]}, LeaseReply(close=(3,))),
+        ("reported", {"accepted": [], "refused": []}, ReportReply()),
+        ("reported", {"accepted": [], "refused": [], "close": [3]}, ReportReply(close=(3,))),
+    ],
+)
+def test_replies_ask_to_close_slots_only_when_they_say_so(
+    verb: str, body: object, decoded: Reply
+) -> None:
+    assert decode_reply(open_envelope(envelope_of(verb, body))) == decoded
+
+
+def test_empty_slot_lists_stay_off_the_wire_and_a_job_without_slot_has_none() -> None:
+    assert seal(1, Report(results=()))["body"] == {"results": [], "lease_jobs": 0}
+    assert seal(2, Report(results=(), kept=(1,), closed=(2,)))["body"] == {
+        "results": [],
+        "lease_jobs": 0,
+        "kept": [1],
+        "closed": [2],
+    }
+    assert seal(3, LeaseReply())["body"] == {"jobs": []}
+    assert Job.from_wire(dict(SLOTTED_JOB), "job").slot == 0  # a core of the previous release
+    assert Job.from_wire({**SLOTTED_JOB, "slot": 9}, "job").slot == 9
+
+
+@pytest.mark.parametrize(
+    ("verb", "body", "field"),
+    [
+        ("report", {"results": [], "kept": [True]}, "report.kept[0]: expected int"),
+        ("report", {"results": [], "closed": "1"}, "report.closed: expected array"),
+    ],
+)
+def test_bad_slot_lists_name_the_field(verb: str, body: object, field: str) -> None:
+    with pytest.raises(ProtocolError, match=re.escape(field)):
+        decode_request(open_envelope(envelope_of(verb, body)))
+
+
+def test_a_bad_slot_names_the_field() -> None:
+    with pytest.raises(ProtocolError, match=r"job\.slot: must be at least 0"):
+        Job.from_wire({**SLOTTED_JOB, "slot": -1}, "job")
+    with pytest.raises(ProtocolError, match=r"leased\.close: expected array"):
+        decode_reply(open_envelope(envelope_of("leased", {"jobs": [], "close": 3})))

@@ -185,16 +185,28 @@ class IpcClient:
         reply = await self.request(LeaseRequest(max_jobs=max_jobs, wait_ms=wait_ms))
         return reply.jobs
 
+    async def lease_reply(self, max_jobs: int = 1, wait_ms: int = 0) -> LeaseReply:
+        """As :meth:`lease`, the whole reply: with the slots whose connections to close."""
+        return await self.request(LeaseRequest(max_jobs=max_jobs, wait_ms=wait_ms))
+
     async def chunk(self, msg_id: int, index: int) -> bytes:
         reply = await self.request(ChunkRequest(msg_id=msg_id, index=index))
         return reply.data
 
     async def report(
-        self, results: tuple[RecipientReport, ...], *, lease_jobs: int = 0
+        self,
+        results: tuple[RecipientReport, ...],
+        *,
+        lease_jobs: int = 0,
+        kept: tuple[int, ...] = (),
+        closed: tuple[int, ...] = (),
     ) -> ReportReply:
         """Report ``results``; with ``lease_jobs``, the reply also brings up to that many
-        jobs that were ready (none if none was: then ``lease`` waits for one)."""
-        return await self.request(Report(results=results, lease_jobs=lease_jobs))
+        jobs that were ready (none if none was: then ``lease`` waits for one).  ``kept``
+        and ``closed``: connection slots kept idle, and idle ones closed (``messages.py``)."""
+        return await self.request(
+            Report(results=results, lease_jobs=lease_jobs, kept=kept, closed=closed)
+        )
 
     async def iter_body(self, job: Job, *, read_ahead: bool = True) -> AsyncIterator[bytes]:
         """The body of ``job``, chunk by chunk, in order.

@@ -55,10 +55,12 @@ class QueueHandler:
         return conn.zone
 
     async def lease(self, conn: ConnectionInfo, msg: LeaseRequest) -> LeaseReply:
+        zone = self._zone(conn)
         jobs = await self._service.lease(
-            self._zone(conn), conn.owner, max(1, msg.max_jobs), min(msg.wait_ms, MAX_WAIT_MS)
+            zone, conn.owner, max(1, msg.max_jobs), min(msg.wait_ms, MAX_WAIT_MS)
         )
-        return LeaseReply(jobs=tuple(map(_job, jobs)))
+        close = self._service.closing(zone, conn.owner)
+        return LeaseReply(jobs=tuple(map(_job, jobs)), close=close)
 
     async def chunk(self, conn: ConnectionInfo, msg: ChunkRequest) -> ChunkReply:
         self._zone(conn)
@@ -79,14 +81,20 @@ class QueueHandler:
             )
             for item in msg.results
         ]
-        accepted, refused = await self._service.report(conn.owner, outcomes)
+        # Closed slots first, before anything awaits: they are about connections the worker
+        # had before this report's, so a slot closed and kept again ends up idle, not free.
+        self._service.closed(zone, conn.owner, msg.closed)
+        accepted, refused = await self._service.report(conn.owner, outcomes, frozenset(msg.kept))
         jobs: list[queue.Job] = []
         if msg.lease_jobs:
             # After the commit, and without waiting: the reply carries the report's fate,
             # which must not sit behind an empty queue (messages.py).
             jobs = await self._service.lease(zone, conn.owner, msg.lease_jobs, 0)
         return ReportReply(
-            accepted=tuple(accepted), refused=tuple(refused), jobs=tuple(map(_job, jobs))
+            accepted=tuple(accepted),
+            refused=tuple(refused),
+            jobs=tuple(map(_job, jobs)),
+            close=self._service.closing(zone, conn.owner),
         )
 
     def disconnected(self, conn: ConnectionInfo) -> None:
@@ -106,6 +114,7 @@ def _job(job: queue.Job) -> Job:
         smtputf8=job.smtputf8,
         body_8bit=job.body_8bit,
         rested=tuple(sorted(job.rested)),
+        slot=job.slot,
         recipients=tuple(
             JobRecipient(
                 token=r.token,

@@ -32,6 +32,14 @@ at once.  Both fields are optional on the wire: a core that does not know ``leas
 ignores it and answers without ``jobs``, which a worker takes as "no job ready".
 Likewise ``Job.rested`` (source addresses resting for the job's domain): absent means none.
 
+Connection slots (issue 5): the core's limits per domain and per MX host count connections
+open at the remote end, idle ones a worker keeps for reuse included.  ``Job.slot`` names
+the slot a job holds; ``Report.kept`` says which reported jobs' connections the worker
+keeps (their slots stay held, idle), ``Report.closed`` which idle ones it has closed since;
+``close`` in a ``LeaseReply`` or ``ReportReply`` asks it to close some now.  All four are
+optional on the wire: an older core sends no slot and ignores ``kept`` (the worker then
+keeps connections uncounted, as before), and an older worker never keeps a slot.
+
 Bodies are maps with the field names of the dataclasses, so a capture is readable without
 this module.  Decoding validates every field's type and names the field (as a path such as
 ``lease.jobs[2].recipients[0].token``) in the ``ProtocolError`` it raises; no ``KeyError``
@@ -217,6 +225,19 @@ def _int_tuple(body: _Body, name: str, where: str) -> tuple[int, ...]:
     return tuple(items)  # type: ignore[arg-type]  # every item checked to be int above
 
 
+def _opt_int_tuple(body: _Body, name: str, where: str) -> tuple[int, ...]:
+    """An optional array of ints: absent or None is empty (older peers do not send it)."""
+    if body.get(name) is None:
+        return ()
+    return _int_tuple(body, name, where)
+
+
+def _put_ints(body: dict[str, object], name: str, values: tuple[int, ...]) -> None:
+    """An optional array of ints goes on the wire only when it has any (absent is empty)."""
+    if values:
+        body[name] = list(values)
+
+
 def _nested(
     body: _Body, name: str, where: str, decode: Callable[[_Body, str], _T]
 ) -> tuple[_T, ...]:
@@ -360,24 +381,36 @@ class Report:
 
     ``lease_jobs``: once they are committed, lease up to that many jobs of the zone that
     are ready now (no waiting) and send them with the reply; 0 for none.
+
+    ``kept``: the slots (``Job.slot``) of the reported jobs whose connections the worker
+    keeps idle for the next job; ``closed``: slots whose idle connections the worker has
+    closed, or taken up for a job on another slot, since its last report.  ``results``
+    may be empty: a worker that closed idle connections says so at once.
     """
 
     VERB: ClassVar[str] = "report"
 
     results: tuple[RecipientReport, ...]
     lease_jobs: int = 0
+    kept: tuple[int, ...] = ()
+    closed: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, object]:
-        return {
+        body: dict[str, object] = {
             "results": [result.to_wire() for result in self.results],
             "lease_jobs": self.lease_jobs,
         }
+        _put_ints(body, "kept", self.kept)
+        _put_ints(body, "closed", self.closed)
+        return body
 
     @classmethod
     def from_wire(cls, body: _Body, where: str = VERB) -> Report:
         return cls(
             results=_nested(body, "results", where, RecipientReport.from_wire),
             lease_jobs=_opt_count(body, "lease_jobs", where),
+            kept=_opt_int_tuple(body, "kept", where),
+            closed=_opt_int_tuple(body, "closed", where),
         )
 
 
@@ -453,9 +486,15 @@ class Job:
     # the worker binds another address of the pool.  Optional on the wire: a core that does
     # not send it means none are resting.
     rested: tuple[str, ...] = ()
+    # The connection slot the job holds at the core (its domain's and MX host's limits count
+    # open connections): a connection kept idle after the job is kept under it, and one the
+    # worker keeps under it already is the one to use.  Optional on the wire: 0 (a core
+    # that does not send it) means none, and the worker keeps connections as it likes.
+    slot: int = 0
 
     def to_wire(self) -> dict[str, object]:
         return {
+            "slot": self.slot,
             "rested": list(self.rested),
             "body": self.body,
             "msg_id": self.msg_id,
@@ -485,21 +524,31 @@ class Job:
             recipients=_nested(body, "recipients", where, JobRecipient.from_wire),
             body=_opt_bytes(body, "body", where),
             rested=_opt_str_tuple(body, "rested", where),
+            slot=_opt_count(body, "slot", where),
         )
 
 
 @dataclass(frozen=True, slots=True)
 class LeaseReply:
+    """The jobs leased; and ``close``: slots whose idle connections the worker must close
+    now (above a limit), then report ``closed`` (optional on the wire: absent is none)."""
+
     VERB: ClassVar[str] = "leased"
 
     jobs: tuple[Job, ...] = ()
+    close: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, object]:
-        return {"jobs": [job.to_wire() for job in self.jobs]}
+        body: dict[str, object] = {"jobs": [job.to_wire() for job in self.jobs]}
+        _put_ints(body, "close", self.close)
+        return body
 
     @classmethod
     def from_wire(cls, body: _Body, where: str = VERB) -> LeaseReply:
-        return cls(jobs=_nested(body, "jobs", where, Job.from_wire))
+        return cls(
+            jobs=_nested(body, "jobs", where, Job.from_wire),
+            close=_opt_int_tuple(body, "close", where),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -519,20 +568,24 @@ class ChunkReply:
 @dataclass(frozen=True, slots=True)
 class ReportReply:
     """Which reported tokens were committed, and which refused (their lease had ended);
-    and the jobs leased for the report's ``lease_jobs``."""
+    the jobs leased for the report's ``lease_jobs``; and ``close``, as in ``LeaseReply``
+    (a kept connection the core did not let the worker keep is among them)."""
 
     VERB: ClassVar[str] = "reported"
 
     accepted: tuple[int, ...] = ()
     refused: tuple[int, ...] = ()
     jobs: tuple[Job, ...] = ()
+    close: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, object]:
-        return {
+        body: dict[str, object] = {
             "accepted": list(self.accepted),
             "refused": list(self.refused),
             "jobs": [job.to_wire() for job in self.jobs],
         }
+        _put_ints(body, "close", self.close)
+        return body
 
     @classmethod
     def from_wire(cls, body: _Body, where: str = VERB) -> ReportReply:
@@ -541,6 +594,7 @@ class ReportReply:
             accepted=_int_tuple(body, "accepted", where),
             refused=_int_tuple(body, "refused", where),
             jobs=jobs,
+            close=_opt_int_tuple(body, "close", where),
         )
 
 
