@@ -13,7 +13,9 @@ from zoneq.protocol.replies import Verdict
 FAST = Timeouts(greeting=5, ehlo=5, mail=5, rcpt=5, data_init=5, data_block=5, data_end=5)
 
 
-async def send(host: str, port: int, cache: ConnectionCache, rcpt: str = "a@ok.test") -> Any:
+async def send(
+    host: str, port: int, cache: ConnectionCache, rcpt: str = "a@ok.test", slot: int = 0
+) -> Any:
     return await deliver(
         host=host,
         port=port,
@@ -24,6 +26,7 @@ async def send(host: str, port: int, cache: ConnectionCache, rcpt: str = "a@ok.t
         tls=TlsPolicy.NONE,
         timeouts=FAST,
         cache=cache,
+        slot=slot,
     )
 
 

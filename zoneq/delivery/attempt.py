@@ -220,6 +220,7 @@ class _Walk:
             timeouts=self.settings.timeouts,
             options=self.options,
             cache=self.connections,
+            slot=self.job.slot,
             **(_relay_options(relay) if relay is not None else {}),
         )
         if result.peer is None:

@@ -10,6 +10,13 @@ stops it taking new jobs; the ones in hand finish and are reported, then it exit
 report is written to the socket before the loop awaits anything, and awaited to its reply,
 so a stop cannot lose one; jobs that come with a report's reply after SIGTERM are given
 back untried.
+
+Kept connections count against the core's connection limits (issue 5): each job names its
+slot, a report says which jobs' connections are kept (``kept``) and which kept ones were
+closed since (``closed``, ``transport/cache.py``), and the core may ask for some to be
+closed (``close`` in its replies).  A kept connection closed for idling, or at the core's
+request, is reported at once in a report of its own, since a job may be waiting for its
+slot; one taken up under another slot rides with the next job's report.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from zoneq.delivery.hostcache import DeadHostCache
 from zoneq.delivery.mx import MxResolver, system_nameservers
 from zoneq.delivery.pool import SourcePool
 from zoneq.delivery.transport import ConnectionCache, TlsPolicy
-from zoneq.errors import TemporaryFailure
+from zoneq.errors import TemporaryFailure, ZoneqError
 from zoneq.ipc.client import IpcClient
 from zoneq.ipc.messages import Hello, Job, Outcome, RecipientReport
 from zoneq.plugin import PluginHost
@@ -42,6 +49,7 @@ DEAD_HOST_CAP_S = 3600.0  # the longest an MX address is skipped after repeated 
 log = logging.getLogger("zoneq.worker")
 
 LEASE_WAIT_MS = 5_000
+PRUNE_INTERVAL_S = 1.0
 
 
 def settings_for(config: Config, zone: str) -> Settings:
@@ -114,7 +122,7 @@ class Worker:
     async def run(self) -> None:
         loops = self._config.zones[self._zone].connections
         tasks = [asyncio.create_task(self._loop(n)) for n in range(loops)]
-        pruner = asyncio.create_task(self._prune())
+        pruner = asyncio.create_task(self._tend())
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -123,11 +131,27 @@ class Worker:
             pruner.cancel()
             await self._connections.close()
 
-    async def _prune(self) -> None:
-        """QUIT kept connections that have idled too long (RFC 5321 4.1.1.10: say goodbye)."""
+    async def _tend(self) -> None:
+        """QUIT kept connections that have idled too long (RFC 5321 4.1.1.10: say goodbye),
+        and tell the core at once of the slots closes free."""
+        cache = self._connections
         while True:
-            await asyncio.sleep(1.0)
-            self._connections.prune()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(cache.urgent.wait(), PRUNE_INTERVAL_S)
+            cache.prune()
+            if not cache.urgent.is_set():
+                continue
+            closed = cache.released()
+            try:
+                reply = await self._client.report((), closed=closed)
+            except ZoneqError as exc:
+                if self._client.closed:
+                    return  # the core is gone; the loops see it too
+                log.warning("closed connection slots not reported: %s", exc)
+                cache.close_slots(closed)  # still closed: owed to the next report
+                await asyncio.sleep(PRUNE_INTERVAL_S)
+                continue
+            cache.close_slots(reply.close)
 
     async def _lease(self) -> tuple[Job, ...]:
         """Wait for a job, or for SIGTERM: a stopping worker does not sit out a lease wait.
@@ -135,7 +159,7 @@ class Worker:
         Cancelling the request is safe: jobs the core grants to a cancelled lease are given
         back to it as RETURNED by the IPC client.
         """
-        lease = asyncio.ensure_future(self._client.lease(max_jobs=1, wait_ms=LEASE_WAIT_MS))
+        lease = asyncio.ensure_future(self._client.lease_reply(max_jobs=1, wait_ms=LEASE_WAIT_MS))
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
             await asyncio.wait((lease, stop), return_when=asyncio.FIRST_COMPLETED)
@@ -146,7 +170,9 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError):
                 await lease
             return ()
-        return lease.result()
+        reply = lease.result()
+        self._connections.close_slots(reply.close)
+        return reply.jobs
 
     async def _loop(self, number: int) -> None:
         jobs: tuple[Job, ...] = ()
@@ -166,9 +192,13 @@ class Worker:
                 reports = [_returned(r.token) for job in jobs for r in job.recipients]
             else:
                 reports = [report for job in jobs for report in await self._deliver(job)]
+            kept = tuple(job.slot for job in jobs if self._connections.end(job.slot))
+            closed = self._connections.released()
             more = 0 if self.stopping.is_set() else 1
             try:
-                reply = await self._client.report(tuple(reports), lease_jobs=more)
+                reply = await self._client.report(
+                    tuple(reports), lease_jobs=more, kept=kept, closed=closed
+                )
             except TemporaryFailure as exc:
                 if self._client.closed:
                     raise  # the core is gone: exit, the supervisor decides what next
@@ -177,9 +207,13 @@ class Worker:
                 log.warning(
                     "loop %d: report of %d outcome(s) failed: %s", number, len(reports), exc
                 )
+                # The core applied ``closed`` before it failed, or it never got the report;
+                # telling it again is harmless either way (a slot ends once).
+                self._connections.close_slots(closed)
                 jobs = ()
                 await asyncio.sleep(1)
                 continue
+            self._connections.close_slots(reply.close)
             if reply.refused:
                 log.warning(
                     "core refused %d stale report(s) of %s",
@@ -189,6 +223,7 @@ class Worker:
             jobs = reply.jobs
 
     async def _deliver(self, job: Job) -> list[RecipientReport]:
+        self._connections.begin(job.slot)  # ended when the report is made (``_loop``)
         try:
             return await attempt(
                 job,

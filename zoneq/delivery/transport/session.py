@@ -39,7 +39,8 @@ message.  A session whose last transaction is still open (every recipient refuse
 refused) says RSET first, and is kept if that is answered 250.  A kept connection the server
 closed while it was idle shows at the first MAIL (lost, or a 421): the session then opens a
 fresh connection and goes on as if new, so an idle timeout never sends recipients to the next
-MX host.
+MX host.  Under the core's connection limits a connection is kept under the job's *slot*,
+and the next job on that slot takes it first (``cache.py``).
 """
 
 from __future__ import annotations
@@ -77,11 +78,12 @@ class _Session:
     """One call of :func:`deliver`: the connection and what has been settled so far."""
 
     def __init__(
-        self, dest: Destination, envelope: Envelope, cache: ConnectionCache | None
+        self, dest: Destination, envelope: Envelope, cache: ConnectionCache | None, slot: int = 0
     ) -> None:
         self.dest = dest
         self.envelope = envelope
         self.cache = cache
+        self.slot = slot
         self.ledger = Ledger(envelope.recipients)
         self.link: Connection | None = None
         self.seen = Seen()  # what opening a connection learnt, even if it then failed
@@ -105,7 +107,7 @@ class _Session:
         kept = False
         try:
             if todo:
-                reused = self._adopt()
+                reused = await self._adopt()
                 if not reused:
                     self.link = await open_session(self.dest, self.seen)
                 ready = self._check_features(todo)
@@ -147,11 +149,12 @@ class _Session:
             dest.auth[0] if dest.auth is not None else None,
         )
 
-    def _adopt(self) -> bool:
-        """Start on a cached connection to this destination, if one is waiting."""
+    async def _adopt(self) -> bool:
+        """Start on a cached connection to this destination, if one is waiting (the one
+        kept under this job's slot first, ``cache.py``)."""
         if self.cache is None:
             return False
-        self.link = self.cache.take(self._key())
+        self.link = await self.cache.adopt(self._key(), self.slot)
         return self.link is not None
 
     def _died_idle(self, abort: Abort) -> bool:
@@ -178,7 +181,7 @@ class _Session:
         if not link.messages:
             link.opened = self.cache.now()
         link.messages += 1
-        return self.cache.put(self._key(), link)
+        return self.cache.put(self._key(), link, self.slot)
 
     async def _reset(self, link: Connection) -> bool:
         """RSET an open transaction (RFC 5321 section 4.1.1.5) so the connection can be kept."""
@@ -286,6 +289,7 @@ async def deliver(
     cache: ConnectionCache | None = None,
     implicit_tls: bool = False,
     auth: tuple[str, str] | None = None,
+    slot: int = 0,
 ) -> TransactionResult:
     """Deliver one message to ``recipients`` through the server at ``host``:``port``.
 
@@ -297,7 +301,8 @@ async def deliver(
     (default ``host``); ``tls_context`` replaces both.  ``cache``: take a kept connection to
     this destination if there is one, and keep this one afterwards (see the module docstring).
     ``implicit_tls``: TLS from the first byte (port 465) instead of STARTTLS; ``auth``: (user,
-    password) for AUTH once under TLS (smarthosts, ``dialogue.py``).
+    password) for AUTH once under TLS (smarthosts, ``dialogue.py``).  ``slot``: the core's
+    connection slot of the job (``cache.py``); the connection is kept under it.
 
     Returns a result per recipient, in order; never raises for anything the remote host does.
     Raises ValueError for arguments that cannot be sent (a HELO name with spaces, an ENVID or
@@ -327,4 +332,4 @@ async def deliver(
         timeouts=timeouts,
         max_line_length=max_line_length,
     )
-    return await _Session(dest, envelope, cache).run()
+    return await _Session(dest, envelope, cache, slot).run()
