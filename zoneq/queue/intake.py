@@ -29,7 +29,7 @@ from typing import Final
 
 from zoneq.config import Config
 from zoneq.errors import ZoneqError
-from zoneq.queue.routing import route
+from zoneq.queue.routing import Router
 from zoneq.storage.records import MessageMeta, NewRecipient
 from zoneq.storage.store import QueueStore
 
@@ -177,6 +177,7 @@ class Intake:
         self.config = config
         self.clock = clock
         self.max_size = int(config.receiver.max_message_size)
+        self.router = Router.from_config(config)  # the rules, compiled once
 
     async def receive(
         self,
@@ -261,7 +262,9 @@ class Intake:
             stored += len(tail)
         if envelope is None:
             envelope = envelope_from_headers(header.fields)
-        recipients = [NewRecipient(rcpt, route(self.config, rcpt)) for rcpt in envelope.recipients]
+        recipients = [
+            NewRecipient(rcpt, self.router.decide(rcpt).zone) for rcpt in envelope.recipients
+        ]
         meta = MessageMeta(
             msg_id=msg_id,
             sender=envelope.sender,

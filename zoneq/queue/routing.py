@@ -36,7 +36,7 @@ from zoneq.plugin.hooks import Drop, Hook, RouteArgs, Session
 from zoneq.plugin.host import PluginHost
 from zoneq.protocol.replies import Reply
 
-__all__ = ["Route", "Router", "route"]
+__all__ = ["Route", "Router"]
 
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -195,28 +195,3 @@ def _parse_ip(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return address.ipv4_mapped
     return address
-
-
-# The receiver calls ``route`` per RCPT with the same config object; compiling the rules
-# once per config rather than per call keeps that cheap.
-_cached: tuple[Config, Router] | None = None
-
-
-def route(
-    config: Config,
-    recipient: str,
-    *,
-    sender: str | None = None,
-    client_ip: str | None = None,
-    trusted: bool = False,
-    zone_header: str | None = None,
-) -> str:
-    """The zone ``recipient`` is queued in by ``config``'s rules (no plugins)."""
-    global _cached  # noqa: PLW0603 - a one-entry cache, replaced as a whole
-    if _cached is None or _cached[0] is not config:
-        _cached = (config, Router.from_config(config))
-    router = _cached[1]
-    decided = router.decide(
-        recipient, sender=sender, client_ip=client_ip, trusted=trusted, zone_header=zone_header
-    )
-    return decided.zone
