@@ -9,20 +9,17 @@ dnsmasq answers the MX lookups and Postfix's smtp-sink is the remote MX
 from __future__ import annotations
 
 import json
-import random
 import socket
 import stat
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.dnsmasq import running_dnsmasq
+from tests.support.bed import ok_test_bed
 from tests.support.serve import (
     ROOT,
     Serve,
@@ -32,7 +29,6 @@ from tests.support.serve import (
     smtp_port,
     write_serve_config,
 )
-from tests.support.smtpsink import Sink, run_smtp_sink
 
 pytestmark = pytest.mark.integration
 
@@ -42,22 +38,6 @@ pytestmark = pytest.mark.integration
 GROWTH_LIMIT_KIB = 32 * 1024
 BIG = 100 * 1024 * 1024
 CLI_TIMEOUT_S = 120
-
-
-@contextmanager
-def bed(directory: Path) -> Iterator[tuple[Sink, Path]]:
-    """smtp-sink as the MX of ok.test, dnsmasq, and a serve config with the API on a free
-    port of 127.0.0.1 and no token configured (serve generates one)."""
-    sink_ip = f"127.0.{random.randint(1, 250)}.{random.randint(2, 250)}"
-    with run_smtp_sink(host=sink_ip) as sink:
-        records = ["mx-host=ok.test,mx.ok.test,10", f"host-record=mx.ok.test,{sink_ip}"]
-        with running_dnsmasq(records, directory / "dns") as dns:
-            config = write_serve_config(directory / "zoneq", mx_port=sink.port, dns_port=dns.port)
-            text = config.read_text().replace(
-                "[receiver]\n", '[receiver]\nmax_message_size = "200MiB"\n'
-            )
-            config.write_text(text)
-            yield sink, config
 
 
 def zoneq(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -119,7 +99,7 @@ class PeakRss:
 
 
 def test_serve_driven_by_the_command_line(tmp_path: Path) -> None:
-    with bed(tmp_path) as (sink, config):
+    with ok_test_bed(tmp_path) as (sink, config):
         message = tmp_path / "msg.eml"
         message.write_bytes(
             b"From: Alice <alice@src.test>\r\nTo: bob@ok.test\r\nBcc: carol@ok.test\r\n"

@@ -22,9 +22,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.api.test_serve_cli import bed
 from tests.export.conftest import ZONES, Traffic
 from tests.storage.conftest import StoreFactory, async_test
+from tests.support.bed import ok_test_bed
 from tests.support.serve import running_serve, smtp_port
 from zoneq.export import watermark
 from zoneq.export.files import Format, escape_path_name, part_name, utc_day, write_rows
@@ -325,7 +325,7 @@ def test_command_refuses_a_missing_directory_clearly(tmp_path: Path) -> None:
 def test_command_exports_a_running_zoneq_through_its_api(tmp_path: Path) -> None:
     """A real ``zoneq serve`` holds the directory, so ``zoneq export`` reads the same records
     through the API; two exports with mail delivered in between hold every event once."""
-    with bed(tmp_path) as (sink, config), running_serve(config, tmp_path / "serve.log"):
+    with ok_test_bed(tmp_path) as (sink, config), running_serve(config, tmp_path / "serve.log"):
         port = smtp_port(config)
         out = tmp_path / "export"
 
