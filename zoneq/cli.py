@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
-from zoneq import __version__, runtime
+from zoneq import __version__, logs, runtime
 from zoneq.analytics import command as analytics_command
 from zoneq.api import command as api_command
 from zoneq.api import suppression_command
@@ -103,9 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logs.configure(args.log_level)
     code: int = args.func(args)
     return code
 

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from zoneq.api.suppression_list import Unavailable
 from zoneq.errors import NotFound, StorageCorruption, TemporaryFailure
+from zoneq.logs import REPEATS
 from zoneq.queue.intake import TooLarge, Unacceptable
 
 log = logging.getLogger("zoneq.api")
@@ -71,7 +72,7 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         return error_response(400, _validation_text(exc))
     except (TemporaryFailure, StorageCorruption) as exc:
         # Local trouble: the client keeps what it sent and tries again (SMTP's 4xx).
-        log.warning("%s %s: unavailable: %s", request.method, request.path, exc)
+        log.warning("%s %s: unavailable: %s", request.method, request.path, exc, extra=REPEATS)
         if isinstance(exc, Unavailable):  # the suppression list's file, not the queue
             text = f"{exc}; nothing was changed, try again once it is fixed"
         else:

@@ -42,6 +42,7 @@ from zoneq.delivery.transport import ConnectionCache, TlsPolicy
 from zoneq.errors import TemporaryFailure, ZoneqError
 from zoneq.ipc.client import IpcClient
 from zoneq.ipc.messages import Hello, Job, Outcome, RecipientReport
+from zoneq.logs import REPEATS
 from zoneq.plugin import PluginHost
 
 DEAD_HOST_CAP_S = 3600.0  # the longest an MX address is skipped after repeated failures
@@ -185,7 +186,7 @@ class Worker:
                 except TemporaryFailure as exc:
                     if self._client.closed:
                         raise  # the core is gone: exit, the supervisor decides what next
-                    log.warning("loop %d: lease failed: %s", number, exc)
+                    log.warning("loop %d: lease failed: %s", number, exc, extra=REPEATS)
                     await asyncio.sleep(1)
                 continue
             if self.stopping.is_set():

@@ -41,10 +41,12 @@ from zoneq.ipc.intake_messages import (
     MessageSink,
     Op,
     Status,
+    decode_dropped,
     decode_message,
     decode_recipients,
     status_of,
 )
+from zoneq.logs import REPEATS
 from zoneq.protocol.ids import format_id
 
 __all__ = ["IntakeServer"]
@@ -149,7 +151,7 @@ class IntakeServer:
             child.writer.close()
             return
         except (ZoneqError, ValueError) as exc:
-            log.warning("receiver %s: %s refused: %s", child.name, op.name, exc)
+            log.warning("receiver %s: %s refused: %s", child.name, op.name, exc, extra=REPEATS)
             self._reply(child, [rid, status_of(exc), str(exc)])
             return
         self._reply(child, [rid, Status.OK, value])
@@ -179,14 +181,16 @@ class IntakeServer:
             assert isinstance(owner, int) and isinstance(index, int)
             await sink.write_chunk(owner, index, data)
             return None
-        message_obj, recipients_obj, now_ms, tail = _shape(args, 4)
+        # A fifth argument, the dropped recipients, only when a plugin dropped some.
+        message_obj, recipients_obj, now_ms, tail, *rest = _shape(args, 5 if len(args) > 4 else 4)
         message = decode_message(message_obj)
-        recipients = decode_recipients(recipients_obj)
+        dropped = decode_dropped(rest[0]) if rest else ()
+        recipients = decode_recipients(recipients_obj, allow_empty=bool(dropped))
         ok = self._owned(child, message.msg_id) and _is_rid(now_ms)
         if not ok or not (tail is None or isinstance(tail, bytes)):
             raise ProtocolError("COMMIT: not an open message of this receiver")
         assert isinstance(now_ms, int)
-        await sink.commit(message, recipients, now_ms, tail=tail)
+        await sink.commit(message, recipients, now_ms, tail=tail, dropped=dropped)
         # Durable now.  Off the open list: a crash from here on must not abandon it.
         child.open.discard(message.msg_id)
         if child.gone:
@@ -207,7 +211,7 @@ class IntakeServer:
             await self._sink.abandon(msg_id)
         except ZoneqError as exc:
             # The sweep removes the chunks later (the receiving marker stays).
-            log.warning("message %s: abandon failed: %s", format_id(msg_id), exc)
+            log.warning("message %s: abandon failed: %s", format_id(msg_id), exc, extra=REPEATS)
 
     def _reply(self, child: _Child, reply: list[object]) -> None:
         if not child.gone:

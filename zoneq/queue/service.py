@@ -50,6 +50,7 @@ from typing import Final
 
 from zoneq.config import Config
 from zoneq.errors import LeaseError, NotFound, ProtocolError, StorageUnavailable
+from zoneq.logs import REPEATS
 from zoneq.plugin.hooks import Hook, OutcomeArgs
 from zoneq.plugin.host import PluginHost
 from zoneq.protocol.dsn import Action
@@ -640,7 +641,9 @@ class QueueService:
             except StorageUnavailable as exc:
                 # The store heals itself (maintenance reopens it); deferred mail must still
                 # come due afterwards, so the loop outlives the fault.
-                log.warning("due recipients not promoted, queue storage unavailable: %s", exc)
+                log.warning(
+                    "due recipients not promoted, queue storage unavailable: %s", exc, extra=REPEATS
+                )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)
 
@@ -732,7 +735,12 @@ async def _guarded(token: int, operation: Awaitable[None]) -> int | None:
     except LeaseError:
         return None
     except StorageUnavailable as exc:
-        log.warning("report of lease %d not written, queue storage unavailable: %s", token, exc)
+        log.warning(
+            "report of lease %d not written, queue storage unavailable: %s",
+            token,
+            exc,
+            extra=REPEATS,
+        )
         return None
     return token
 
