@@ -36,13 +36,19 @@ from zoneq.api.app import start_api
 from zoneq.config import Config
 from zoneq.errors import ListenError, StorageUnavailable
 from zoneq.ipc.core import QueueHandler
-from zoneq.ipc.intake_messages import ConnectionCounts, ReceivedMessage, ReceivedRecipient
+from zoneq.ipc.intake_messages import (
+    ConnectionCounts,
+    DroppedRecipient,
+    ReceivedMessage,
+    ReceivedRecipient,
+)
 from zoneq.ipc.intake_server import IntakeServer
 from zoneq.ipc.server import IpcServer
 from zoneq.plugin import PluginHost
 from zoneq.queue.service import QueueService
 from zoneq.receiver.server import SmtpReceiver
 from zoneq.storage.records import MessageMeta, NewRecipient, State
+from zoneq.storage.store import DroppedRecipient as StoreDropped
 from zoneq.storage.store import QueueStore
 from zoneq.supervisor import Supervisor
 
@@ -175,6 +181,7 @@ class StoreSink:
         now_ms: int,
         *,
         tail: bytes | None,
+        dropped: Sequence[DroppedRecipient] = (),
     ) -> asyncio.Future[None]:
         m = message
         meta = MessageMeta(
@@ -191,7 +198,10 @@ class StoreSink:
             source=m.source,
         )
         news = [NewRecipient(r.address, r.zone, r.notify, r.orcpt) for r in recipients]
-        return self._store.commit(meta, news, now_ms, tail=tail)
+        if not dropped:
+            return self._store.commit(meta, news, now_ms, tail=tail)
+        gone = [StoreDropped(d.address, d.zone, d.reason) for d in dropped]
+        return self._store.commit(meta, news, now_ms, tail=tail, dropped=gone)
 
     async def abandon(self, msg_id: int) -> None:
         await self._store.abandon(msg_id)

@@ -41,10 +41,12 @@ from zoneq.ipc.batching import FrameBatcher
 from zoneq.ipc.framing import FrameDecoder, encode_frame
 from zoneq.ipc.intake_messages import (
     CoreUnreachable,
+    DroppedRecipient,
     Op,
     ReceivedMessage,
     ReceivedRecipient,
     Status,
+    encode_dropped,
     encode_message,
     encode_recipients,
     error_from_reply,
@@ -113,11 +115,14 @@ class IntakeClient:
         now_ms: int,
         *,
         tail: bytes | None,
+        dropped: Sequence[DroppedRecipient] = (),
     ) -> asyncio.Future[None]:
         # The core answers None: the future's value is never read, only its outcome.
-        answer = self._ask(
-            Op.COMMIT, encode_message(message), encode_recipients(recipients), now_ms, tail
-        )
+        meta, rcpts = encode_message(message), encode_recipients(recipients)
+        if dropped:  # only then: the usual frame stays as it was
+            answer = self._ask(Op.COMMIT, meta, rcpts, now_ms, tail, encode_dropped(dropped))
+        else:
+            answer = self._ask(Op.COMMIT, meta, rcpts, now_ms, tail)
         self._top_up(now_ms)  # the session's next MAIL finds an id ready
         return cast("asyncio.Future[None]", answer)
 

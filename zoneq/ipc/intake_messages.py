@@ -19,9 +19,14 @@ Frames (lists, the first item the operation; ``rid`` a request id the reply carr
                     [RELEASE, client]                        no reply
                     [BEGIN, rid, now_ms, size_hint]          -> message id
                     [CHUNK, rid, msg_id, index, data]        -> None
-                    [COMMIT, rid, message, recipients, now_ms, tail]   -> None, once synced
+                    [COMMIT, rid, message, recipients, now_ms, tail(, dropped)]
+                                                             -> None, once synced
                     [ABANDON, msg_id]                        no reply
     core -> child   [rid, status, value]    status OK, FULL (452 4.3.1) or FAULT (451 4.3.0)
+
+``dropped`` (recipients a plugin dropped, each ``[address, zone, reason]``) is sent only
+when there are some, so the frame of the usual message is what it always was; with it,
+``recipients`` may be empty (every recipient dropped: only the events are stored).
 
 Requests without a reply are safe to fire and forget because the core handles one
 connection's frames in order: an ABANDON can never overtake the CHUNK before it.
@@ -42,13 +47,16 @@ from zoneq.errors import InsufficientStorage, ProtocolError, TemporaryFailure, Z
 __all__ = [
     "ConnectionCounts",
     "CoreUnreachable",
+    "DroppedRecipient",
     "MessageSink",
     "Op",
     "ReceivedMessage",
     "ReceivedRecipient",
     "Status",
+    "decode_dropped",
     "decode_message",
     "decode_recipients",
+    "encode_dropped",
     "encode_message",
     "encode_recipients",
     "error_from_reply",
@@ -104,6 +112,16 @@ class ReceivedRecipient:
 
 
 @dataclass(frozen=True, slots=True)
+class DroppedRecipient:
+    """An accepted RCPT that a plugin dropped: told 250, never queued; the commit writes a
+    DROPPED event for it with ``reason`` as its text.  ``zone`` is the one routing gave."""
+
+    address: str
+    zone: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class ReceivedMessage:
     """Everything the receiver knows of a message at the final dot, but its text."""
 
@@ -151,9 +169,12 @@ class MessageSink(Protocol):
         now_ms: int,
         *,
         tail: bytes | None,
+        dropped: Sequence[DroppedRecipient] = (),
     ) -> Awaitable[None]:
         """Resolves once the message is durable.  A future, not a coroutine: the caller
-        shields it (a session closing must not cancel a commit in flight)."""
+        shields it (a session closing must not cancel a commit in flight).  ``dropped``
+        recipients get their DROPPED events in the same batch; with no ``recipients`` only
+        those events are stored and the message's chunks removed."""
         ...
 
     async def abandon(self, msg_id: int) -> None: ...
@@ -231,9 +252,10 @@ def encode_recipients(recipients: Sequence[ReceivedRecipient]) -> list[object]:
     return [[r.address, r.zone, list(r.notify), r.orcpt] for r in recipients]
 
 
-def decode_recipients(obj: object) -> list[ReceivedRecipient]:
-    """The recipients from their frame form; ``ProtocolError`` if malformed."""
-    _need(isinstance(obj, list) and bool(obj), "recipients: not a non-empty list")
+def decode_recipients(obj: object, *, allow_empty: bool = False) -> list[ReceivedRecipient]:
+    """The recipients from their frame form; ``ProtocolError`` if malformed.  Empty only
+    when ``allow_empty`` (a commit whose every recipient was dropped)."""
+    _need(isinstance(obj, list) and (allow_empty or bool(obj)), "recipients: none or not a list")
     assert isinstance(obj, list)
     out: list[ReceivedRecipient] = []
     for item in obj:
@@ -243,6 +265,23 @@ def decode_recipients(obj: object) -> list[ReceivedRecipient]:
         _need(isinstance(notify, list) and all(isinstance(n, str) for n in notify), "NOTIFY")
         _need(orcpt is None or isinstance(orcpt, str), "recipient: bad ORCPT")
         out.append(ReceivedRecipient(address, zone, tuple(notify), orcpt))
+    return out
+
+
+def encode_dropped(dropped: Sequence[DroppedRecipient]) -> list[object]:
+    return [[d.address, d.zone, d.reason] for d in dropped]
+
+
+def decode_dropped(obj: object) -> list[DroppedRecipient]:
+    """The dropped recipients from their frame form (non-empty); ``ProtocolError`` if not."""
+    _need(isinstance(obj, list) and bool(obj), "dropped: not a non-empty list")
+    assert isinstance(obj, list)
+    out: list[DroppedRecipient] = []
+    for item in obj:
+        _need(isinstance(item, list) and len(item) == 3, "dropped: not 3 fields")
+        _need(all(isinstance(v, str) for v in item), "dropped: not strings")
+        address, zone, reason = item
+        out.append(DroppedRecipient(address, zone, reason))
     return out
 
 

@@ -182,7 +182,8 @@ class IntakeServer:
             await sink.write_chunk(owner, index, data)
             return None
         # A fifth argument, the dropped recipients, only when a plugin dropped some.
-        message_obj, recipients_obj, now_ms, tail, *rest = _shape(args, 5 if len(args) > 4 else 4)
+        shape = _shape(args, 5 if len(args) > 4 else 4)
+        message_obj, recipients_obj, now_ms, tail, *rest = shape
         message = decode_message(message_obj)
         dropped = decode_dropped(rest[0]) if rest else ()
         recipients = decode_recipients(recipients_obj, allow_empty=bool(dropped))

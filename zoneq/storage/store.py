@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from zoneq.errors import LeaseError
@@ -57,9 +57,21 @@ from zoneq.storage.records import (
     State,
     encode_head,
     new_record_value,
+    recipient_domain,
 )
 from zoneq.storage.space import SpaceGuard
 from zoneq.storage.writer import GroupWriter
+
+
+@dataclass(frozen=True, slots=True)
+class DroppedRecipient:
+    """A recipient a plugin dropped while the message was received: accepted (the client
+    was told 250), never queued, and recorded by one DROPPED event in the commit's batch.
+    ``zone`` is the zone routing gave it; ``reason`` becomes the event's text."""
+
+    address: str
+    zone: str
+    reason: str
 
 
 class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin):
@@ -113,6 +125,7 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin):
         now_ms: int,
         *,
         tail: bytes | None = None,
+        dropped: Sequence[DroppedRecipient] = (),
     ) -> asyncio.Future[None]:
         """Stage a received message and its recipients; await the result: it resolves once
         they are durable (synced), and only then may the client be told 250.
@@ -123,14 +136,26 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin):
         busiest path, and the frame was measurable.  If it fails (raising here or in the
         future), the message is still being received: the caller abandons it and answers
         4xx.
+
+        ``dropped``: recipients a plugin dropped (issue 5: "dropped with an event"), one
+        DROPPED event each in the same batch, so the events exist exactly when the client
+        was told 250.  With no ``recipients`` left the message is not stored at all: the
+        batch holds only those events and removes the chunks written so far.
         """
         self._check()
         self.space.admit()
-        ops, ready = self._message_ops(meta, recipients, now_ms)
-        if tail is not None:
-            ops.append((keys.message_chunk(meta.msg_id, meta.chunks - 1), tail))
-        ops.append((keys.receiving(meta.msg_id), None))
         msg_id = meta.msg_id
+        if recipients:
+            ops, ready = self._message_ops(meta, recipients, now_ms)
+            if tail is not None:
+                ops.append((keys.message_chunk(msg_id, meta.chunks - 1), tail))
+        elif dropped:
+            ops, ready = self._chunks_gone(msg_id), {}
+        else:
+            raise ValueError("a message needs at least one recipient")
+        if dropped:
+            ops.extend(self._dropped_ops(meta, dropped, now_ms))
+        ops.append((keys.receiving(msg_id), None))
 
         def landed() -> None:
             self._receiving.pop(msg_id, None)
@@ -150,12 +175,42 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin):
     async def abandon(self, msg_id: int) -> None:
         """The client went away mid-DATA (or the message was refused): remove its chunks."""
         self._check()
-        staged = self._receiving.pop(msg_id, 0)
-        doomed = {keys.message_chunk(msg_id, index) for index in range(staged)}
-        doomed.update(key for key, _ in self._chunk_deletes(msg_id))
-        ops: list[Op] = [(key, None) for key in sorted(doomed)]
+        ops = self._chunks_gone(msg_id)
+        self._receiving.pop(msg_id, None)
         ops.append((keys.receiving(msg_id), None))
         await self._writer.submit(ops, sync=False)
+
+    def _chunks_gone(self, msg_id: int) -> list[Op]:
+        """Deletes of every chunk of a message being received: those staged (not on disk
+        yet) and those on disk."""
+        staged = self._receiving.get(msg_id, 0)
+        doomed = {keys.message_chunk(msg_id, index) for index in range(staged)}
+        doomed.update(key for key, _ in self._chunk_deletes(msg_id))
+        return [(key, None) for key in sorted(doomed)]
+
+    def _dropped_ops(
+        self, meta: MessageMeta, dropped: Sequence[DroppedRecipient], now_ms: int
+    ) -> list[Op]:
+        """One DROPPED event per recipient a plugin dropped at receive time."""
+        mid = format_id(meta.msg_id)
+        queued_at = id_time_ms(meta.msg_id)
+        return [
+            self._event_record_op(
+                now_ms,
+                event_record(
+                    EventKind.DROPPED,
+                    now_ms,
+                    d.zone,
+                    mid,
+                    recipient=d.address,
+                    domain=recipient_domain(d.address),
+                    queued_at_ms=queued_at,
+                    size=meta.size,
+                    text=d.reason,
+                ),
+            )
+            for d in dropped
+        ]
 
     def _message_ops(
         self, meta: MessageMeta, recipients: Sequence[NewRecipient], now_ms: int
@@ -470,4 +525,11 @@ def _all(effects: Sequence[Callable[[], None]]) -> Callable[[], None]:
     return run
 
 
-__all__ = ["Lease", "Outcome", "QueueStore", "QueuedRecipient", "new_recipients"]
+__all__ = [
+    "DroppedRecipient",
+    "Lease",
+    "Outcome",
+    "QueueStore",
+    "QueuedRecipient",
+    "new_recipients",
+]
