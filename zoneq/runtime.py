@@ -143,6 +143,8 @@ async def serve(config: Config, config_path: Path | None = None) -> None:
             running.push_async_callback(api.close)  # stopped right after the receiver
         await _start_receiving(running, StoreSink(store, config), config, config_path, plugins)
         log.info("accepting SMTP on %s", config.receiver.listen)
+        if config.receiver.tls_listen is not None:  # bound by the receiver's start()
+            log.info("accepting SMTP with implicit TLS on %s", config.receiver.tls_listen)
         await supervisor.start()
         while not stop.is_set():
             await maintain(store, config)

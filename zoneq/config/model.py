@@ -348,6 +348,14 @@ def _check_password_hash(value: str) -> str:
     return value
 
 
+def _same_listener(one: tuple[str, int], other: tuple[str, int]) -> bool:
+    """Whether two listen addresses would bind the same port (port 0 is always a new one;
+    a wildcard host takes the port on every address)."""
+    wildcard = ("0.0.0.0", "::")
+    same_host = one[0] == other[0] or one[0] in wildcard or other[0] in wildcard
+    return one[1] == other[1] != 0 and same_host
+
+
 ListenAddress = Annotated[str, AfterValidator(_check_listen)]
 """``host:port`` to listen on; ``[::1]:25`` for IPv6; port 0 picks a free port (tests)."""
 
@@ -397,6 +405,18 @@ class ReceiverConfig(_Section):
     tls_key: Annotated[Path | None, Field(strict=False)] = None
     """PEM private key of ``tls_cert``."""
 
+    tls_listen: ListenAddress | None = None
+    """A second listener, for implicit TLS (RFC 8314 section 3.3: "submissions", port 465):
+    the TLS handshake comes first, then the greeting; AUTH is offered at once and STARTTLS
+    is not (RFC 3207: not on a connection already under TLS).  Unset (the default): none.
+
+    A listener of its own next to ``listen``, not a switch that turns ``listen`` into
+    implicit TLS, because an MTA serves both kinds at once: port 25 (and 587) with STARTTLS
+    for MTAs and older clients, 465 for submission clients that RFC 8314 steers to implicit
+    TLS (Postfix's ``smtpd_tls_wrappermode`` on a second master.cf service).  Needs
+    ``tls_cert`` and ``tls_key``; not available with ``processes`` > 0 (the receiver
+    processes are handed the one ``listen`` socket)."""
+
     auth_users: dict[str, Annotated[str, AfterValidator(_check_password_hash)]] = Field(
         default_factory=dict
     )
@@ -421,13 +441,34 @@ class ReceiverConfig(_Section):
         if self.auth_users and self.tls_cert is None:
             text = "AUTH is offered only after STARTTLS: set tls_cert and tls_key"
             problems.append((("auth_users",), text))
+        if self.tls_listen is not None:
+            problems += [(("tls_listen",), text) for text in self._tls_listen_problems()]
         if problems:
             raise problems_error(*problems)
         return self
 
+    def _tls_listen_problems(self) -> list[str]:
+        problems = []
+        if self.tls_cert is None:
+            problems.append("implicit TLS needs a certificate: set tls_cert and tls_key")
+        if self.tls_listen_address is not None and _same_listener(
+            self.listen_address, self.tls_listen_address
+        ):
+            problems.append(f"the same address as listen ({self.listen}): use another port")
+        if self.processes > 0:
+            # Receiver processes inherit one listening socket (supervisor.py, --listen-fd);
+            # handing them a second is not built, and a silently missing port is worse.
+            text = "not available with processes > 0: set processes = 0 or remove tls_listen"
+            problems.append(text)
+        return problems
+
     @property
     def listen_address(self) -> tuple[str, int]:
         return split_listen(self.listen)
+
+    @property
+    def tls_listen_address(self) -> tuple[str, int] | None:
+        return None if self.tls_listen is None else split_listen(self.tls_listen)
 
     @property
     def idle_timeout_s(self) -> float:

@@ -31,7 +31,9 @@ Choices:
   get 554 5.7.1 at RCPT.  Source routes and the percent hack are refused from everyone
   (``relay.py``).
 * STARTTLS (``tls.py``) is offered when a certificate is configured; AUTH PLAIN and LOGIN
-  (``auth.py``) once TLS is active and users are configured.
+  (``auth.py``) once TLS is active and users are configured.  ``receiver.tls_listen`` adds
+  a listener for implicit TLS (RFC 8314 section 3.3): the handshake first, then the same
+  session, TLS from its start (no STARTTLS offered, AUTH at once, ESMTPS in Received).
 * Each request (a command, or the text after 354) must complete within the idle timeout,
   which message text extends at ``min_data_rate`` (``deadline.py``): a client that
   trickles a byte at a time is cut off with 421 4.4.2 all the same.
@@ -54,7 +56,7 @@ from collections.abc import Callable, Iterable
 from typing import Final
 
 from zoneq.config.model import Config
-from zoneq.errors import InsufficientStorage, ZoneqError
+from zoneq.errors import InsufficientStorage, ListenError, ZoneqError
 from zoneq.ipc.intake_messages import (
     CoreUnreachable,
     MessageSink,
@@ -94,7 +96,7 @@ from zoneq.receiver.message import (
 )
 from zoneq.receiver.relay import RELAY_DENIED, RelayPolicy, address_refusal
 from zoneq.receiver.sasl import Credentials
-from zoneq.receiver.tls import server_context, start_tls
+from zoneq.receiver.tls import accept_tls, handshake_timeout, server_context, start_tls
 
 __all__ = ["SmtpReceiver"]
 
@@ -116,6 +118,11 @@ TOO_MANY: Final = "Too many connections from your address"  # 421 4.7.0 (RFC 346
 def _counted(admission: asyncio.Future[bool]) -> bool:
     """Whether a settled admission counted the connection (a failed one did not)."""
     return not admission.cancelled() and admission.exception() is None and admission.result()
+
+
+def _peer_ip(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else ""
 
 
 def _bye(code_text: str, klass: int, subject: int, detail: int, hostname: str) -> Reply:
@@ -158,6 +165,10 @@ class SmtpReceiver:
         self.max_message_size = int(config.receiver.max_message_size)
         self._server: asyncio.Server | None = None
         self._port = 0
+        self._tls_server: asyncio.Server | None = None  # receiver.tls_listen
+        self._tls_port = 0
+        self._handshakes: set[asyncio.Task[None]] = set()  # implicit TLS, not yet sessions
+        self.handshake_timeout_s = handshake_timeout(self.idle_timeout_s)
         self._sessions: set[_Session] = set()
         self._closing = False
 
@@ -171,6 +182,25 @@ class SmtpReceiver:
             host, port = self.config.receiver.listen_address
             self._server = await asyncio.start_server(self._accept, host, port)
         self._port = int(self._server.sockets[0].getsockname()[1])
+        # Receiver processes (``sock``) never have one: config refuses tls_listen with them.
+        tls_listen = self.config.receiver.tls_listen_address
+        if sock is None and tls_listen is not None:
+            await self._listen_implicit_tls(*tls_listen)
+
+    async def _listen_implicit_tls(self, host: str, port: int) -> None:
+        """The ``receiver.tls_listen`` listener; a port that cannot be bound closes ``listen``
+        again and is a ``ListenError`` naming the address (nothing half-started)."""
+        try:
+            self._tls_server = await asyncio.start_server(self._accept_implicit_tls, host, port)
+        except OSError as exc:
+            assert self._server is not None
+            self._server.close()
+            await self._server.wait_closed()
+            address = self.config.receiver.tls_listen
+            raise ListenError(
+                f"SMTP receiver (implicit TLS) cannot listen on {address}: {exc.strerror or exc}"
+            ) from None
+        self._tls_port = int(self._tls_server.sockets[0].getsockname()[1])
 
     @property
     def port(self) -> int:
@@ -179,12 +209,22 @@ class SmtpReceiver:
             raise RuntimeError("receiver not started")
         return self._port
 
+    @property
+    def tls_port(self) -> int:
+        """The implicit-TLS port bound (``receiver.tls_listen``)."""
+        if self._tls_server is None:
+            raise RuntimeError("no implicit-TLS listener")
+        return self._tls_port
+
     async def close(self) -> None:
         """Stop accepting; sessions waiting for input get 421 4.3.2 and messages being
         received are abandoned.  A commit in flight may finish (and answer) first."""
         self._closing = True
-        if self._server is not None:
-            self._server.close()
+        for server in (self._server, self._tls_server):
+            if server is not None:
+                server.close()
+        for handshake in list(self._handshakes):
+            handshake.cancel()  # not a session yet: nothing to say, nothing to finish
         sessions = list(self._sessions)
         for session in sessions:
             session.shutdown()
@@ -195,12 +235,41 @@ class SmtpReceiver:
                 task.cancel()
             if late:
                 await asyncio.wait(late, timeout=_CLOSE_GRACE_S)
-        if self._server is not None:
-            await self._server.wait_closed()
+        for server in (self._server, self._tls_server):
+            if server is not None:
+                await server.wait_closed()
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+    async def _accept_implicit_tls(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """RFC 8314 section 3.3: the handshake (bounded; one info line if it fails), then the
+        session as on ``listen``, under TLS from its start.  The connection is counted
+        against ``max_connections_per_client`` once the handshake is done, so that a 421
+        for too many connections is said inside TLS, where the client can read it."""
+        context = self.tls_context
+        assert context is not None  # config: tls_listen needs tls_cert and tls_key
+        task = asyncio.current_task()
+        assert task is not None
+        self._handshakes.add(task)
+        try:
+            # The first await of the connection (tls.py says why it must be).
+            timeout = self.handshake_timeout_s
+            version = await accept_tls(writer, context, timeout_s=timeout, peer=_peer_ip(writer))
+        except asyncio.CancelledError:
+            version = None  # close() during the handshake
+        finally:
+            self._handshakes.discard(task)
+        if version is None or self._closing:
+            writer.close()
+            return
+        await self._accept(reader, writer, tls=version)
+
+    async def _accept(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tls: str = ""
+    ) -> None:
+        """A session on ``writer``'s connection; ``tls``: the TLS version when the connection
+        is under TLS already (the implicit-TLS listener)."""
+        ip = _peer_ip(writer)
         if self._closing:
             writer.close()
             return
@@ -215,7 +284,7 @@ class SmtpReceiver:
             else:
                 await self._turn_away(writer, TOO_MANY, 7, 0)
             return
-        session = _Session(self, reader, writer, ip, admission)
+        session = _Session(self, reader, writer, ip, admission, tls=tls)
         session.task = asyncio.current_task()
         self._sessions.add(session)
         try:
@@ -258,6 +327,8 @@ class _Session:
         writer: asyncio.StreamWriter,
         ip: str,
         admission: asyncio.Future[bool],
+        *,
+        tls: str = "",
     ) -> None:
         config = receiver.config
         # Awaited before the first command when the sink could not answer at once.
@@ -273,12 +344,13 @@ class _Session:
             max_message_size=receiver.max_message_size,
             max_recipients=config.receiver.max_recipients,
             tls_offered=receiver.tls_context is not None,
+            tls_active=bool(tls),  # implicit TLS: no STARTTLS, AUTH at once (RFC 3207, 8314)
             auth_offered=receiver.authenticator.enabled or receiver.hooks.auth_hook,
         )
         self.hooks = receiver.hooks
         self.relay_by_address = receiver.relay_policy.client_allowed(ip)
         self.auth = AuthSession(receiver.authenticator, ip, self._auth_plugins)
-        self.tls = ""  # the TLS version, once STARTTLS succeeded
+        self.tls = tls  # the TLS version: from the start (implicit TLS) or after STARTTLS
         self.deadline = RequestDeadline(receiver.idle_timeout_s, config.receiver.min_data_rate)
         self.chunk_size = config.storage.chunk_size
         self.helo = ""

@@ -1,4 +1,4 @@
-"""STARTTLS for the receiver (RFC 3207): the server's TLS context and the upgrade itself.
+"""TLS for the receiver: the server's context, STARTTLS (RFC 3207) and implicit TLS (RFC 8314).
 
 The certificate and key come from ``receiver.tls_cert`` / ``receiver.tls_key`` (checked at
 config load: the files exist and the pair loads).  TLS 1.2 is the minimum (RFC 8996
@@ -9,6 +9,17 @@ Plaintext pipelined behind STARTTLS must never be read as if it had come inside 
 session (RFC 3207 section 4.2; the 2011 command-injection bugs, CVE-2011-0411 in Postfix
 and its kin).  The state machine drops whatever it had buffered; the bytes asyncio's
 ``StreamReader`` may already hold are dropped here before the handshake starts.
+
+Implicit TLS (``receiver.tls_listen``, RFC 8314 section 3.3, the "submissions" port 465):
+the handshake is the first thing on the connection, before the greeting.  The listener is a
+plain TCP one and each connection is upgraded here, rather than ``start_server(ssl=...)``,
+so that a failed or slow handshake gets our one log line (asyncio's own server is silent
+about them outside debug mode) and the server can cancel handshakes in progress when it
+closes.  The upgrade must start before the event loop first reads the socket, or the
+client's ClientHello would land in the ``StreamReader`` instead of the TLS layer: asyncio and
+uvloop both run a new connection's callback before its first read, and ``accept_tls`` is
+the callback's first await.  The handshake is bounded by ``handshake_timeout`` (a client
+that never sends a ClientHello is dropped, not kept).
 """
 
 from __future__ import annotations
@@ -17,10 +28,28 @@ import asyncio
 import logging
 import ssl
 from pathlib import Path
+from typing import Final
 
-__all__ = ["discard_buffered", "server_context", "start_tls"]
+__all__ = [
+    "HANDSHAKE_TIMEOUT_S",
+    "accept_tls",
+    "discard_buffered",
+    "handshake_timeout",
+    "server_context",
+    "start_tls",
+]
 
 log = logging.getLogger("zoneq.receiver")
+
+HANDSHAKE_TIMEOUT_S: Final = 60.0
+"""The longest an implicit-TLS handshake may take: asyncio's own default.  A handshake is a
+few round trips; a connection still without one after this is a client that will never
+send it, and until then it is not yet counted against ``max_connections_per_client``."""
+
+
+def handshake_timeout(idle_timeout_s: float) -> float:
+    """The implicit-TLS handshake's time limit: never longer than the idle timeout."""
+    return min(idle_timeout_s, HANDSHAKE_TIMEOUT_S)
 
 
 def server_context(cert: Path, key: Path) -> ssl.SSLContext:
@@ -54,7 +83,7 @@ async def start_tls(
     timeout_s: float,
     peer: str,
 ) -> bool:
-    """Run the server side of the handshake on ``writer``'s connection.
+    """Run the server side of the STARTTLS handshake on ``writer``'s connection.
 
     Returns False when it failed (one log line, no traceback: a client that gives up on
     our certificate or speaks no TLS is not our fault); the session must then end.
@@ -62,10 +91,26 @@ async def start_tls(
     try:
         await writer.drain()  # the 220 is out; nothing is read from here to the handshake
         dropped = discard_buffered(reader)
-        if dropped:
-            log.info("%s: %d octet(s) pipelined after STARTTLS discarded", peer, dropped)
+    except (OSError, RuntimeError) as exc:
+        log.info("%s: TLS handshake failed: %s", peer, exc or type(exc).__name__)
+        return False
+    if dropped:
+        log.info("%s: %d octet(s) pipelined after STARTTLS discarded", peer, dropped)
+    return await accept_tls(writer, context, timeout_s=timeout_s, peer=peer) is not None
+
+
+async def accept_tls(
+    writer: asyncio.StreamWriter, context: ssl.SSLContext, *, timeout_s: float, peer: str
+) -> str | None:
+    """The server side of a TLS handshake on ``writer``'s connection, within ``timeout_s``:
+    the protocol version agreed (``"TLSv1.3"``), or None when it failed (logged at info
+    without a traceback: a plaintext client on the TLS port, or one that rejects our
+    certificate, is not a fault of ours).  The caller closes the connection on None."""
+    try:
         await writer.start_tls(context, ssl_handshake_timeout=timeout_s)
     except (ssl.SSLError, OSError, TimeoutError, RuntimeError, EOFError) as exc:
         log.info("%s: TLS handshake failed: %s", peer, exc or type(exc).__name__)
-        return False
-    return True
+        return None
+    ssl_object = writer.get_extra_info("ssl_object")
+    version = ssl_object.version() if isinstance(ssl_object, ssl.SSLObject) else None
+    return str(version or "TLS")
