@@ -34,8 +34,11 @@ RECIPIENT = "someone@nowhere.invalid"  # no DNS at all: an MX lookup would fail
 
 
 @asynccontextmanager
-async def relay(directory: Path, files: TlsFiles) -> AsyncIterator[tuple[int, QueueStore]]:
-    """zoneq's receiver as the smarthost: its port and the queue it stores into."""
+async def relay(
+    directory: Path, files: TlsFiles, *, implicit: bool = False
+) -> AsyncIterator[tuple[int, QueueStore]]:
+    """zoneq's receiver as the smarthost: its port (its implicit-TLS port if ``implicit``)
+    and the queue it stores into."""
     store = QueueStore.open(directory / "relay-queue")
     store.recover()
     config = make_config(
@@ -43,11 +46,12 @@ async def relay(directory: Path, files: TlsFiles) -> AsyncIterator[tuple[int, Qu
         tls_key=str(files.key),
         auth_users={USER: hash_password(PASSWORD)},
         allow_networks=["127.0.0.1/32"],
+        tls_listen="127.0.0.1:0" if implicit else None,
     )
     receiver = SmtpReceiver(StoreSink(store, config), config, clock=lambda: T0)
     await receiver.start()
     try:
-        yield receiver.port, store
+        yield receiver.tls_port if implicit else receiver.port, store
     finally:
         await receiver.close()
         await store.close()
@@ -131,3 +135,47 @@ async def test_required_tls_checks_the_relay_certificate(
         event = await one_deferral(tmp_path, smarthost_zone(port, "required"))
         assert relayed.message_count() == 0
     assert event.enhanced == "4.7.5"
+
+
+@async_test
+async def test_implicit_tls_relays_every_recipient_with_auth(
+    tmp_path: Path, tls_files: TlsFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tls = "implicit"`` (RFC 8314 section 3.3) to the relay's implicit-TLS listener: TLS
+    from the first byte, the certificate verified (the relay's self-signed one is made a
+    trusted root through OpenSSL's ``SSL_CERT_FILE``), then AUTH and every recipient."""
+    monkeypatch.setenv("SSL_CERT_FILE", str(tls_files.cert))
+    recipients = [RECIPIENT, "other@elsewhere.invalid"]
+    async with relay(tmp_path, tls_files, implicit=True) as (port, relayed):
+        with dns_for(tmp_path, [], "127.0.0.1") as dns:
+            config = config_for(tmp_path, dns, 1, smarthost_zone(port, "implicit"))
+            async with running(config) as core:
+                await core.queue(recipients)
+                await core.until(lambda: core.store.message_count() == 0)
+                events = core.events("delivered")
+        assert sorted(e.recipient for e in events) == sorted(recipients)
+        assert {e.mx for e in events} == {"127.0.0.1"}
+        leases = relayed.lease("default", 10, "test")
+        assert sorted(lease.recipient.address for lease in leases) == sorted(recipients)
+        sources = [relayed.message(lease.recipient.msg_id).source for lease in leases]
+        body = b"".join(stored_body(relayed, lease.recipient.msg_id) for lease in leases)
+    assert {s["auth"] for s in sources} == {USER}  # the credentials were accepted
+    assert {s["tls"] for s in sources} <= {"TLSv1.2", "TLSv1.3"}
+    assert {s["client"] for s in sources} == {"127.0.0.2"}  # outside the relay's networks
+    assert body.count(b"ESMTPSA") == 2  # RFC 3848, in each relayed copy's Received field
+
+
+@async_test
+async def test_implicit_tls_checks_the_relay_certificate(
+    tmp_path: Path, tls_files: TlsFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Implicit TLS is required TLS: the relay's self-signed certificate, not trusted here,
+    is refused and the mail waits in the queue; nothing is sent in plaintext."""
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    async with relay(tmp_path, tls_files, implicit=True) as (port, relayed):
+        event = await one_deferral(tmp_path, smarthost_zone(port, "implicit"))
+        assert relayed.message_count() == 0
+    # No reply came (the handshake failed before the greeting), so no code; the status is
+    # transient and the reason names the certificate for the operator.
+    assert event.code is None and (event.enhanced or "").startswith("4.")
+    assert "CERTIFICATE_VERIFY_FAILED" in (event.text or ""), event
