@@ -7,7 +7,13 @@ for every zone:
 
 A suppressed recipient is refused at RCPT with 550 5.1.1 (``action = "refuse"``, the
 sender learns at once) or accepted and dropped with an event (``action = "drop"``, the
-sender's list is not told who is suppressed).
+sender's list is not told who is suppressed): a DROPPED event, written with the message's
+commit, whose text is the reason.  The list is checked in the recipient's final zone: when
+a trusted client's routing header moves a recipient to another zone at the end of DATA,
+the check runs again there, and a refusal then drops that recipient with an event (the
+reply names it) since SMTP cannot refuse one recipient after DATA; see
+``plugins/README.md``.  API submissions are checked too; a refused recipient is listed in
+the API's answer.
 
 Addresses compare case-insensitively, the local part included.  RFC 5321 section 2.4 lets
 a server treat local parts as case-sensitive but says exploiting that "impedes

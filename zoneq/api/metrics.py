@@ -57,7 +57,7 @@ _TOTALS: Final = {
     EventKind.DEFERRED: ("zoneq_deferred", "Delivery attempts that failed temporarily"),
     EventKind.BOUNCED: ("zoneq_bounced", "Recipients bounced after a permanent failure"),
     EventKind.EXPIRED: ("zoneq_expired", "Recipients bounced when their retries ran out"),
-    EventKind.DROPPED: ("zoneq_dropped", "Recipients removed by an administrator, no DSN"),
+    EventKind.DROPPED: ("zoneq_dropped", "Recipients dropped by an admin or a plugin, no DSN"),
 }
 
 

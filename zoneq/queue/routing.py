@@ -17,7 +17,9 @@ Within one kind, rules are tried in the order of the file.  A domain rule ``exam
 matches that domain only; ``.example.com`` every domain below it (Postfix's transport map
 convention).  Domains compare case-insensitively (RFC 5321 section 2.4), a trailing dot
 ignored.  Then a ``queue:route`` plugin may override the zone per recipient, refuse the
-recipient with its own reply, or drop it (``Router.route``).
+recipient with its own reply, or drop it (``Router.route``).  ``Router.consult`` is that
+plugin step alone, for a decision made elsewhere: the receiver reads the routing header
+only at the final dot, and puts the recipients it moves through the plugins again there.
 
 ``decide`` is pure and synchronous: the receiver calls it at RCPT without awaiting.
 Removing the header before delivery is the receiver's job, once it reads headers.
@@ -36,7 +38,7 @@ from zoneq.plugin.hooks import Drop, Hook, RouteArgs, Session
 from zoneq.plugin.host import PluginHost
 from zoneq.protocol.replies import Reply
 
-__all__ = ["Route", "Router"]
+__all__ = ["DEFAULT", "HEADER", "Route", "Router"]
 
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -171,6 +173,18 @@ class Router:
             trusted=trusted,
             zone_header=zone_header,
         )
+        return await self.consult(recipient, decided, sender=sender, session=session)
+
+    async def consult(
+        self,
+        recipient: str,
+        decided: Route,
+        *,
+        sender: str = "",
+        session: Session | None = None,
+    ) -> Route | Reply | Drop:
+        """The ``queue:route`` plugins' verdict on ``decided``: it, another zone, a refusal
+        or a drop.  Raises ``PluginFailure`` when a plugin misbehaves."""
         if self._plugins is None or not self._plugins.handles(Hook.QUEUE_ROUTE):
             return decided
         args = RouteArgs(sender, recipient, decided.zone, decided.rule, session)

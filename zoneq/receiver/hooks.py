@@ -12,7 +12,8 @@ each step, getting back a plain decision:
   command with that reply (RFC 5321 section 4.2: 4yz defers, 5yz refuses).
 * RCPT routing: the rules of ``[routing]`` (sender domain, recipient domain, client
   network, default), then ``queue:route`` plugins, which may choose another zone, refuse
-  the recipient, or drop it (accepted with 250, never queued).
+  the recipient, or drop it (accepted with 250, never queued; the session keeps it as a
+  ``DroppedRecipient``, and the commit writes its DROPPED event, issue 5).
 * The final dot (``message:headers``): the header section (first stored chunk) is known;
   a plugin reply refuses the whole message, before anything is committed, so a client is
   never told 250 for a message that is then lost.  Here too the routing header
@@ -20,6 +21,27 @@ each step, getting back a plain decision:
   ``receiver.allow_networks``) naming a defined zone, it moves every recipient that the
   rules placed (not a plugin's override, which ranks above the header) to that zone.  The
   header can only be read after DATA, which is why it is applied here and not at RCPT.
+
+Re-checking the header's zone
+-----------------------------
+The ``queue:route`` plugins saw, at RCPT, the zone the rules chose; a recipient the header
+moves to another zone is put through them again with the header's zone and rule
+``header`` (a suppression list is per zone).  Their answer can no longer be an RCPT reply:
+after DATA, SMTP has one reply for the whole transaction (RFC 5321 sections 3.3 and 4.2),
+so:
+
+* another zone: the recipient goes there; a ``Drop``: dropped with its DROPPED event;
+* a 4yz reply for any recipient: the whole message is deferred with that reply (nothing
+  is stored; the client retries, and the plugin may answer otherwise then);
+* a 5yz reply: that recipient alone is dropped with a DROPPED event whose text is the
+  reply, and logged; the others are queued and the client gets 250.  Only when every
+  recipient of the message is refused so is the message refused, with the first reply.
+  Refusing the whole message for one refused recipient would make the client retry (or
+  bounce) mail for the others, which were accepted at RCPT;
+* a misbehaving plugin: 451 4.3.0 for the message, as at any other hook.
+
+A recipient already in the header's zone (or placed by a plugin) is not asked again: the
+plugins judged that zone at RCPT.
 
 A plugin that raises, hangs past its time limit or returns garbage is a local fault
 (``PluginFailure``): the command gets 451 4.3.0, never a 5xx (the client keeps the message
@@ -36,7 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from zoneq.config.model import Config
-from zoneq.ipc.intake_messages import ReceivedRecipient
+from zoneq.ipc.intake_messages import DroppedRecipient, ReceivedRecipient
 from zoneq.plugin import (
     AuthArgs,
     Drop,
@@ -52,7 +74,7 @@ from zoneq.plugin import (
 from zoneq.protocol.replies import Reply
 from zoneq.queue.routing import HEADER, Route, Router
 
-__all__ = ["ReceiveHooks", "Routed", "SessionFactory"]
+__all__ = ["Accepted", "ReceiveHooks", "Routed", "SessionFactory"]
 
 log = logging.getLogger("zoneq.receiver")
 
@@ -60,6 +82,9 @@ SessionFactory = Callable[[], Session]
 """Builds the hook's view of the SMTP session; called only when a plugin will see it."""
 
 _PLUGIN_RULE = "plugin:"
+
+Accepted = tuple[list[ReceivedRecipient], tuple[DroppedRecipient, ...]]
+"""At the final dot: the recipients to queue, and those dropped (with their events)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,20 +138,20 @@ class ReceiveHooks:
         recipient: str,
         client_ip: str,
         trusted: bool,
-    ) -> Route | Reply | Drop:
-        """The recipient's zone (routing rules, then ``queue:route``), a refusal, or a drop;
-        then the ``smtp:rcpt_to`` plugins, told the zone, may still refuse it."""
+    ) -> Route | Reply | DroppedRecipient:
+        """The recipient's zone (routing rules, then ``queue:route``), a refusal, or a drop
+        (in the zone the rules gave); then the ``smtp:rcpt_to`` plugins, told the zone, may
+        still refuse it."""
+        rules = self.router.decide(recipient, sender=sender, client_ip=client_ip, trusted=trusted)
         try:
-            decided = await self.router.route(
-                recipient,
-                sender=sender,
-                client_ip=client_ip,
-                trusted=trusted,
-                session=who() if self._route_hook else None,
+            decided = await self.router.consult(
+                recipient, rules, sender=sender, session=who() if self._route_hook else None
             )
         except PluginFailure as exc:
             log.error("RCPT %s from %s: %s", recipient, client_ip, exc)
             return exc.reply
+        if isinstance(decided, Drop):
+            return DroppedRecipient(recipient, rules.zone, decided.reason)
         if not isinstance(decided, Route) or not self._rcpt_hook:
             return decided
         args = RcptToArgs(who(), sender, recipient, decided.zone)
@@ -151,19 +176,81 @@ class ReceiveHooks:
         *,
         sender: str,
         routed: Sequence[Routed],
+        dropped: tuple[DroppedRecipient, ...],
         fields: Sequence[tuple[str, str]],
         trusted: bool,
-    ) -> list[ReceivedRecipient] | Reply:
-        """At the final dot: the recipients to queue (moved by a trusted routing header),
-        or the ``message:headers`` plugins' refusal of the whole message."""
-        recipients = with_header_zone(routed, self.header_zone(fields, trusted=trusted))
-        if not self._headers_hook or not recipients:
-            return recipients
-        args = MessageHeadersArgs(
-            who(), sender, tuple(r.address for r in recipients), tuple(fields)
-        )
-        refusal = await self._refusal(Hook.MESSAGE_HEADERS, args)
-        return recipients if refusal is None else refusal
+    ) -> Accepted | Reply:
+        """At the final dot: the recipients to queue (moved by a trusted routing header,
+        re-checked by ``queue:route``) and the dropped ones (``dropped``, those dropped at
+        RCPT, and any the re-check dropped), or one reply refusing the whole message (the
+        re-check's, or the ``message:headers`` plugins')."""
+        zone = self.header_zone(fields, trusted=trusted)
+        if zone is not None and self._route_hook:
+            checked = await self._recheck(who, sender, routed, zone)
+            if isinstance(checked, Reply):
+                return checked
+            recipients, more = checked
+            if more:
+                dropped = (*dropped, *more)
+        else:
+            recipients = with_header_zone(routed, zone)
+        if self._headers_hook and recipients:
+            args = MessageHeadersArgs(
+                who(), sender, tuple(r.address for r in recipients), tuple(fields)
+            )
+            refusal = await self._refusal(Hook.MESSAGE_HEADERS, args)
+            if refusal is not None:
+                return refusal
+        return recipients, dropped
+
+    async def _recheck(
+        self, who: SessionFactory, sender: str, routed: Sequence[Routed], zone: str
+    ) -> Accepted | Reply:
+        """The header's zone for the recipients it moves, through the ``queue:route``
+        plugins again (see "Re-checking the header's zone" above)."""
+        session = who()
+        header_route = Route(zone, HEADER)
+        recipients: list[ReceivedRecipient] = []
+        dropped: list[DroppedRecipient] = []
+        refusals: list[Reply] = []
+        for entry in routed:
+            rcpt = entry.recipient
+            if entry.rule.startswith(_PLUGIN_RULE) or rcpt.zone == zone:
+                recipients.append(rcpt)
+                continue
+            try:
+                verdict = await self.router.consult(
+                    rcpt.address, header_route, sender=sender, session=session
+                )
+            except PluginFailure as exc:
+                log.error("message from %s, %s: %s", session.client_ip, rcpt.address, exc)
+                return exc.reply
+            if isinstance(verdict, Route):
+                recipients.append(replace(rcpt, zone=verdict.zone))
+            elif isinstance(verdict, Drop):
+                dropped.append(DroppedRecipient(rcpt.address, zone, verdict.reason))
+            elif verdict.is_transient:
+                log.warning(
+                    "message from %s deferred: %s in zone %s (routing header): %s",
+                    session.client_ip,
+                    rcpt.address,
+                    zone,
+                    verdict,
+                )
+                return verdict
+            else:
+                log.warning(
+                    "message from %s: %s refused in zone %s (routing header), dropped: %s",
+                    session.client_ip,
+                    rcpt.address,
+                    zone,
+                    verdict,
+                )
+                refusals.append(verdict)
+                dropped.append(DroppedRecipient(rcpt.address, zone, str(verdict)))
+        if refusals and len(refusals) == len(routed):
+            return refusals[0]  # every recipient refused: the message is
+        return recipients, tuple(dropped)
 
     async def _refusal(self, hook: Hook, args: object) -> Reply | None:
         try:

@@ -42,7 +42,8 @@ Choices:
 * Routing and the receive-time plugin hooks (``smtp:auth``, ``smtp:mail_from``,
   ``smtp:rcpt_to``, ``queue:route``, ``message:headers``) are asked through ``hooks.py``;
   a plugin's reply refuses the command, a failing plugin gives 451 4.3.0.  A recipient a
-  plugin drops gets 250 and is left out of the commit; if none is left, nothing is stored.
+  plugin drops gets 250 and is left out of the queue; the commit writes its DROPPED event
+  (if none is left, only the events: the text is removed), and no 250, no event.
 """
 
 from __future__ import annotations
@@ -59,11 +60,12 @@ from zoneq.config.model import Config
 from zoneq.errors import InsufficientStorage, ListenError, ZoneqError
 from zoneq.ipc.intake_messages import (
     CoreUnreachable,
+    DroppedRecipient,
     MessageSink,
     ReceivedMessage,
     ReceivedRecipient,
 )
-from zoneq.plugin import Drop, PluginHost, Session
+from zoneq.plugin import PluginHost, Session
 from zoneq.protocol.dsn import Notify
 from zoneq.protocol.ids import format_id
 from zoneq.protocol.replies import INSUFFICIENT_STORAGE, LOCAL_ERROR, EnhancedStatus, Reply
@@ -361,6 +363,7 @@ class _Session:
         self.msg_id: int | None = None
         self.mail: MailFrom | None = None
         self.recipients: list[Routed] = []
+        self.dropped: tuple[DroppedRecipient, ...] = ()  # () allocates nothing per message
         self.buffer = bytearray()
         self.index = 0  # chunks written
         self.size = 0  # octets stored (written and buffered)
@@ -556,10 +559,11 @@ class _Session:
         )
         if isinstance(decided, Reply):
             return self.conn.reject(decided)
-        if isinstance(decided, Drop):
-            # Accepted and never queued.  The store records events only for recipients it
-            # holds, so this drop is logged rather than written as a DROPPED event.
+        if isinstance(decided, DroppedRecipient):
+            # Accepted and never queued: its DROPPED event goes with the commit, so there
+            # is one exactly when the client is told 250 for the message.
             log.info("RCPT %s from %s dropped by a plugin: %s", address, self.ip, decided.reason)
+            self.dropped += (decided,)
             return self.conn.accept()
         notify = _notify_keywords(event.notify)
         recipient = ReceivedRecipient(address, decided.zone, notify, event.orcpt)
@@ -637,17 +641,16 @@ class _Session:
             self._plugin_session,
             sender=mail.address,
             routed=self.recipients,
+            dropped=self.dropped,
             fields=self.scan.fields(),
             trusted=self.relay,
         )
         if isinstance(accepted, Reply):
             await self._end_transaction()
             return self.conn.reject(accepted)
-        if not accepted:
-            # Every recipient was dropped by a plugin: the message was accepted as the
-            # plugins asked, and nothing is left to deliver or store.
-            await self._end_transaction()
-            return self.conn.accept(ALL_DROPPED)
+        # With no recipient left (every one dropped by a plugin) the commit stores only the
+        # DROPPED events and removes the text: accepted as the plugins asked.
+        recipients, dropped = accepted
         chunks = self.index + (1 if tail is not None else 0)
         message = ReceivedMessage(
             msg_id=msg_id,
@@ -665,8 +668,9 @@ class _Session:
         # Replies to pipelined commands before the dot go out while the commit syncs.
         self.writer.write(self.conn.data_to_send())
         try:
+            now = self.receiver.clock()
             await asyncio.shield(
-                self.sink.commit(message, accepted, self.receiver.clock(), tail=tail)
+                self.sink.commit(message, recipients, now, tail=tail, dropped=dropped)
             )
         except CoreUnreachable:
             raise
@@ -676,6 +680,8 @@ class _Session:
             return self.conn.reject(LOCAL_ERROR)
         self.msg_id = None  # queued: nothing to abandon any more
         self._reset_message()
+        if not recipients:
+            return self.conn.accept(ALL_DROPPED)
         queued = Reply(250, (f"Ok: queued as {format_id(msg_id)}",), EnhancedStatus(2, 0, 0))
         return self.conn.accept(queued)
 
@@ -692,6 +698,7 @@ class _Session:
     def _reset_message(self) -> None:
         self.mail = None
         self.recipients = []
+        self.dropped = ()
         self.buffer = bytearray()
         self.index = 0
         self.size = 0
