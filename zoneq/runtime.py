@@ -137,7 +137,9 @@ async def serve(config: Config, config_path: Path | None = None) -> None:
         promoter = asyncio.create_task(service.run(stop))
         running.push_async_callback(_cancel, promoter)
         api = await _listening(
-            "HTTP API", config.api.listen, start_api(store, service, config, clock=now_ms)
+            "HTTP API",
+            config.api.listen,
+            start_api(store, service, config, clock=now_ms, plugins=plugins),
         )
         if api is not None:
             running.push_async_callback(api.close)  # stopped right after the receiver

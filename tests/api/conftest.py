@@ -16,6 +16,7 @@ import aiohttp
 from tests.storage.conftest import T0, async_test, queue_message, store, stores
 from zoneq.api.app import ApiServer, create_app
 from zoneq.config import Config, loads_config
+from zoneq.plugin import PluginHost
 from zoneq.queue.service import QueueService
 from zoneq.storage.store import QueueStore
 
@@ -76,12 +77,15 @@ class Api:
 
 @contextlib.asynccontextmanager
 async def api_running(
-    store: QueueStore, config: Config | None = None, clock: Clock | None = None
+    store: QueueStore,
+    config: Config | None = None,
+    clock: Clock | None = None,
+    plugins: PluginHost | None = None,
 ) -> AsyncIterator[Api]:
     config = config or make_config()
     clock = clock or Clock()
     service = QueueService.from_config(store, config, clock=clock)
-    app = create_app(store, service, config, token=TOKEN, clock=clock)
+    app = create_app(store, service, config, token=TOKEN, clock=clock, plugins=plugins)
     server = ApiServer(app, "127.0.0.1", 0)
     await server.start()
     try:

@@ -23,6 +23,7 @@ from zoneq.api.routes import setup_routes
 from zoneq.api.suppression_list import SuppressionLists
 from zoneq.api.token import ensure_token
 from zoneq.config import Config
+from zoneq.plugin import PluginHost
 from zoneq.queue.admin import QueueAdmin
 from zoneq.queue.intake import Intake
 from zoneq.queue.service import QueueService
@@ -41,12 +42,14 @@ def create_app(
     *,
     token: str,
     clock: Callable[[], int],
+    plugins: PluginHost | None = None,
 ) -> web.Application:
+    """``plugins``: the core's, asked at ``queue:route`` for every submitted recipient."""
     admin = QueueAdmin(store, service, list(config.zones), clock=clock)
     ctx = ApiContext(
         store=store,
         admin=admin,
-        intake=Intake(store, config, clock=clock),
+        intake=Intake(store, config, clock=clock, plugins=plugins),
         config=config,
         clock=clock,
         token=token,
@@ -83,7 +86,12 @@ class ApiServer:
 
 
 async def start_api(
-    store: QueueStore, service: QueueService, config: Config, *, clock: Callable[[], int]
+    store: QueueStore,
+    service: QueueService,
+    config: Config,
+    *,
+    clock: Callable[[], int],
+    plugins: PluginHost | None = None,
 ) -> ApiServer | None:
     """The API as ``zoneq serve`` runs it, or None when ``api.enabled`` is false.
 
@@ -94,7 +102,8 @@ async def start_api(
         return None
     token = ensure_token(config)
     host, port = config.api.listen_address
-    server = ApiServer(create_app(store, service, config, token=token, clock=clock), host, port)
+    app = create_app(store, service, config, token=token, clock=clock, plugins=plugins)
+    server = ApiServer(app, host, port)
     try:
         await server.start()
     except OSError:

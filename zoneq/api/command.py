@@ -206,7 +206,10 @@ def _send(api: ApiClient, args: argparse.Namespace) -> Result:
     if args.sender is not None:
         query.insert(0, ("from", args.sender))
     body = api.upload(f"{V1}/messages/raw", path, query)
-    return body, f"queued as {body['id']} for {len(body['recipients'])} recipient(s)"
+    lines = [f"queued as {body['id']} for {len(body['recipients'])} recipient(s)"]
+    # Refused by a plugin (e.g. a suppression list): the rest were queued all the same.
+    lines.extend(f"refused {r['recipient']}: {r['reply']}" for r in body.get("refused", []))
+    return body, "\n".join(lines)
 
 
 def run_action(action: Callable[[ApiClient, argparse.Namespace], Result]) -> Callable[..., int]:

@@ -41,11 +41,20 @@ class Submission(_Body):
     )
 
 
+class RefusedRecipient(_Body):
+    recipient: str
+    code: int = Field(description="the SMTP reply code a queue:route plugin refused it with")
+    reply: str = Field(description='the whole reply, e.g. "550 5.1.1 Recipient is on the ..."')
+
+
 class Queued(_Body):
     id: str
     size: int
-    recipients: list[str]
+    recipients: list[str] = Field(description="those queued (none: every one was dropped)")
     zones: list[str]
+    refused: list[RefusedRecipient] = Field(
+        default_factory=list, description="recipients a plugin refused; the rest were queued"
+    )
 
 
 class Selection(_Body):

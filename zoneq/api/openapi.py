@@ -76,7 +76,9 @@ _ERRORS: Final = {
     409: "nothing in the message is in a state the operation applies to; for the "
     "suppression routes: the suppression plugin is not enabled",
     413: "over receiver.max_message_size",
-    503: "queue storage unavailable (local, temporary): nothing stored, try again",
+    422: "every recipient was refused by a queue:route plugin (5yz replies): nothing stored",
+    503: "queue storage unavailable (local, temporary): nothing stored, try again; for a "
+    "submission also a failing plugin, or every recipient refused with a 4yz reply among them",
 }
 
 
@@ -85,6 +87,19 @@ def _json(model: type[BaseModel], text: str) -> dict[str, Any]:
 
 
 COUNT: Final = _json(models.Count, "how many recipients it changed")
+
+
+def _submit_op(summary: str, body: dict[str, Any], *params: dict[str, Any]) -> dict[str, Any]:
+    """A submission: 201 once durable (``refused`` lists recipients a plugin refused), 200
+    when a plugin dropped every recipient (nothing stored, no Location)."""
+    queued = _json(models.Queued, "queued; recipients a plugin refused are in refused")
+    operation = _op(
+        summary, queued, params=params, body=body, errors=(400, 413, 422, 503), status="201"
+    )
+    operation["responses"]["200"] = _json(
+        models.Queued, "every recipient was dropped by a plugin (an event each): nothing stored"
+    )
+    return operation
 
 
 def _message_op(summary: str, *, hold: bool = False) -> dict[str, Any]:
@@ -128,25 +143,17 @@ PATHS: Final[dict[str, dict[str, Any]]] = {
         "get": _op("This document", {"description": "OpenAPI 3.1", "content": {JSON: {}}})
     },
     "/api/v1/messages": {
-        "post": _op(
+        "post": _submit_op(
             "Submit a message built from fields; 201 once it is durable",
-            _json(models.Queued, "queued"),
-            body={JSON: {"schema": _ref(models.Submission)}},
-            errors=(400, 413, 503),
-            status="201",
+            {JSON: {"schema": _ref(models.Submission)}},
         )
     },
     "/api/v1/messages/raw": {
-        "post": _op(
+        "post": _submit_op(
             "Upload an RFC 5322 message, streamed; envelope from the query or the headers",
-            _json(models.Queued, "queued"),
-            params=(
-                _param("from", "query", 'envelope sender ("" for <>)'),
-                _param("to", "query", "envelope recipient, repeatable; none: from the headers"),
-            ),
-            body={"message/rfc822": {"schema": {"type": "string", "format": "binary"}}},
-            errors=(400, 413, 503),
-            status="201",
+            {"message/rfc822": {"schema": {"type": "string", "format": "binary"}}},
+            _param("from", "query", 'envelope sender ("" for <>)'),
+            _param("to", "query", "envelope recipient, repeatable; none: from the headers"),
         )
     },
     "/api/v1/messages/{id}": {
@@ -306,6 +313,7 @@ SCHEMAS: Final = (
     models.Submission,
     models.Attachment,
     models.Queued,
+    models.RefusedRecipient,
     models.Selection,
     models.HoldRequest,
     models.Count,

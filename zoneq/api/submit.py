@@ -4,19 +4,32 @@ Either way the answer is 201 only once the message is durable (the store's synce
 a local fault is 503 with nothing stored, so the client's retry cannot make a duplicate.
 The raw upload is read and written chunk by chunk (``zoneq.queue.intake``): a 100 MB
 message never sits in memory.
+
+Recipients are routed as SMTP's are, ``queue:route`` plugins included.  Recipients a plugin
+refuses are listed in the answer (``refused``, each with the plugin's reply) and the rest
+queued; when every recipient is refused nothing is stored and the answer is 422 (a 5yz
+reply: do not send this again) or 503 with Retry-After (a 4yz reply among them: later may
+work).  A failing plugin is 503 too, as any local fault.  When every recipient was dropped
+by a plugin (accepted, not delivered, an event each) the answer is 200: nothing was
+created, so there is no Location.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterable, AsyncIterator
 
 from aiohttp import web
 
 from zoneq.api.context import context
+from zoneq.api.errors import RETRY_AFTER_S, error_response
 from zoneq.api.mime import build
-from zoneq.api.models import Queued, Submission
+from zoneq.api.models import Queued, RefusedRecipient, Submission
+from zoneq.plugin import PluginFailure
 from zoneq.protocol.ids import format_id
-from zoneq.queue.intake import Envelope, Receipt
+from zoneq.queue.intake import Envelope, Receipt, Refused
+
+log = logging.getLogger("zoneq.api")
 
 READ_SIZE = 65_536
 
@@ -31,9 +44,40 @@ def _created(receipt: Receipt) -> web.Response:
         size=receipt.size,
         recipients=list(receipt.recipients),
         zones=list(receipt.zones),
+        refused=[
+            RefusedRecipient(recipient=r.recipient, code=r.reply.code, reply=str(r.reply))
+            for r in receipt.refused
+        ],
     )
+    if not receipt.recipients:  # every one dropped by a plugin: nothing was stored
+        return web.json_response(body.model_dump(), status=200)
     location = f"/api/v1/messages/{body.id}"
     return web.json_response(body.model_dump(), status=201, headers={"Location": location})
+
+
+async def _queue(
+    request: web.Request,
+    body: AsyncIterable[bytes],
+    envelope: Envelope | None,
+    how: str,
+    size_hint: int,
+) -> web.Response:
+    """Hand the message to the intake; the answer for what became of it."""
+    intake = context(request).intake
+    try:
+        receipt = await intake.receive(
+            body, envelope, source=_source(request, how), size_hint=size_hint
+        )
+    except Refused as exc:
+        if exc.transient:
+            return error_response(503, str(exc), {"Retry-After": RETRY_AFTER_S})
+        return error_response(422, str(exc))
+    except PluginFailure as exc:
+        # Ours and temporary, like SMTP's 451 4.3.0; the details are for the log only.
+        log.error("%s %s: %s", request.method, request.path, exc)
+        text = "a routing plugin failed (local, temporary): nothing was stored, try again later"
+        return error_response(503, text, {"Retry-After": RETRY_AFTER_S})
+    return _created(receipt)
 
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:
@@ -45,24 +89,15 @@ async def submit_json(request: web.Request) -> web.Response:
     submission = Submission.model_validate_json(await request.read())
     hostname = ctx.config.server.resolved_hostname()
     data, envelope = build(submission, hostname=hostname, now_ms=ctx.clock())
-    receipt = await ctx.intake.receive(
-        _once(data), envelope, source=_source(request, "http"), size_hint=len(data)
-    )
-    return _created(receipt)
+    return await _queue(request, _once(data), envelope, "http", len(data))
 
 
 async def submit_raw(request: web.Request) -> web.Response:
     """``POST /api/v1/messages/raw?from=a@x&to=b@y&to=c@z``; without ``to``, the envelope
     comes from the header fields (``sendmail -t``, Bcc removed)."""
-    ctx = context(request)
     recipients = tuple(request.query.getall("to", []))
     envelope = None
     if recipients or "from" in request.query:
         envelope = Envelope(request.query.get("from", ""), recipients)
-    receipt = await ctx.intake.receive(
-        request.content.iter_chunked(READ_SIZE),
-        envelope,
-        source=_source(request, "http-raw"),
-        size_hint=request.content_length or 0,
-    )
-    return _created(receipt)
+    body = request.content.iter_chunked(READ_SIZE)
+    return await _queue(request, body, envelope, "http-raw", request.content_length or 0)

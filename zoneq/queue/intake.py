@@ -11,6 +11,16 @@ The envelope is given by the caller, or taken from the header section (the first
 the first ``Sender``/``From`` address and every ``To``, ``Cc`` and ``Bcc`` address, like
 ``sendmail -t``.  A ``Bcc`` field is then removed from the stored text, since showing it to
 the other recipients would disclose them (RFC 5322 section 3.6.3).
+
+Routing is the receiver's (issue 5): the rules with the envelope sender and the client's
+address, and the routing header (``routing.zone_header``) honoured, since an API client
+holds the bearer token and so is trusted like an authenticated SMTP client.  The header is
+left in the stored text: the delivery side removes it from the copy that goes out.  Then
+the ``queue:route`` plugins, per recipient: a ``Drop`` is stored as a DROPPED event in the
+commit's batch; a reply refuses that recipient alone (``Receipt.refused``: an HTTP client,
+unlike SMTP after DATA, can be told per recipient), and when every recipient is refused
+nothing is stored (``Refused``); a misbehaving plugin is ``PluginFailure``, a local and
+temporary fault, and nothing is stored either.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterable, Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email import policy
@@ -29,11 +39,22 @@ from typing import Final
 
 from zoneq.config import Config
 from zoneq.errors import ZoneqError
-from zoneq.queue.routing import Router
+from zoneq.plugin import Drop, PluginHost
+from zoneq.protocol.replies import Reply
+from zoneq.queue.routing import Route, Router
 from zoneq.storage.records import MessageMeta, NewRecipient
-from zoneq.storage.store import QueueStore
+from zoneq.storage.store import DroppedRecipient, QueueStore
 
-__all__ = ["Envelope", "Intake", "Receipt", "TooLarge", "Unacceptable", "check_address"]
+__all__ = [
+    "Envelope",
+    "Intake",
+    "Receipt",
+    "Refusal",
+    "Refused",
+    "TooLarge",
+    "Unacceptable",
+    "check_address",
+]
 
 # RFC 5321 section 4.5.3.1: local part 64 octets, domain 255, a path 256 with its brackets.
 _MAX_LOCAL: Final = 64
@@ -50,6 +71,28 @@ class Unacceptable(ZoneqError):
 
 class TooLarge(ZoneqError):
     """The message is over ``receiver.max_message_size``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A recipient a ``queue:route`` plugin refused, with the plugin's reply."""
+
+    recipient: str
+    reply: Reply
+
+
+class Refused(ZoneqError):
+    """Every recipient was refused by a ``queue:route`` plugin: nothing was stored."""
+
+    def __init__(self, refusals: Sequence[Refusal]) -> None:
+        listed = "; ".join(f"{r.recipient}: {r.reply}" for r in refusals)
+        super().__init__(f"every recipient was refused: {listed}")
+        self.refusals = tuple(refusals)
+
+    @property
+    def transient(self) -> bool:
+        """Whether trying again later may succeed: any refusal was 4yz (RFC 5321 4.2.1)."""
+        return any(r.reply.is_transient for r in self.refusals)
 
 
 def check_address(address: str, *, what: str = "address") -> str:
@@ -93,7 +136,18 @@ class Receipt:
     msg_id: int
     size: int
     recipients: tuple[str, ...]
+    """Those queued: not the refused, nor the dropped (a plugin's drop is not told)."""
     zones: tuple[str, ...]
+    refused: tuple[Refusal, ...] = ()
+
+
+@dataclass(slots=True)
+class _Routed:
+    """Each recipient's fate: queued, dropped (an event) or refused (told the client)."""
+
+    queued: list[NewRecipient] = field(default_factory=list)
+    dropped: list[DroppedRecipient] = field(default_factory=list)
+    refused: list[Refusal] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -172,12 +226,20 @@ def envelope_from_headers(fields: Message) -> Envelope:
 class Intake:
     """Queues messages streamed in by a trusted client.  ``clock``: ms since the epoch."""
 
-    def __init__(self, store: QueueStore, config: Config, *, clock: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        store: QueueStore,
+        config: Config,
+        *,
+        clock: Callable[[], int],
+        plugins: PluginHost | None = None,
+    ) -> None:
         self.store = store
         self.config = config
         self.clock = clock
         self.max_size = int(config.receiver.max_message_size)
-        self.router = Router.from_config(config)  # the rules, compiled once
+        self.router = Router.from_config(config, plugins)  # the rules, compiled once
+        self.zone_header = config.routing.zone_header
 
     async def receive(
         self,
@@ -189,8 +251,9 @@ class Intake:
     ) -> Receipt:
         """Store ``body`` and queue it for ``envelope`` (None: from the headers).
 
-        Raises ``Unacceptable`` or ``TooLarge`` (the client's fault) or a
-        ``TemporaryFailure`` (ours: try again later); in every case nothing is stored.
+        Raises ``Unacceptable``, ``TooLarge`` or ``Refused`` (the client's, or a plugin's
+        verdict on it) or a ``TemporaryFailure`` (ours, ``PluginFailure`` included: try
+        again later); in every case nothing is stored.
         """
         if envelope is not None:
             envelope.checked()
@@ -200,8 +263,11 @@ class Intake:
         msg_id = self.store.begin(now, size_hint=size_hint)
         landing: asyncio.Future[None] | None = None
         try:
-            meta, recipients, tail = await self._stream(msg_id, now, body, envelope, source)
-            landing = self.store.commit(meta, recipients, self.clock(), tail=tail)
+            meta, envelope, fields, tail = await self._stream(msg_id, now, body, envelope, source)
+            routed = await self._route(envelope, fields, source)
+            landing = self.store.commit(
+                meta, routed.queued, self.clock(), tail=tail, dropped=routed.dropped
+            )
             await asyncio.shield(landing)
         except BaseException:
             # Abandon unless the commit landed after all (cancelled while it synced: the
@@ -215,8 +281,35 @@ class Intake:
                 with contextlib.suppress(ZoneqError):
                     await asyncio.shield(self.store.abandon(msg_id))
             raise
-        zones = tuple(dict.fromkeys(r.zone for r in recipients))
-        return Receipt(msg_id, meta.size, tuple(r.address for r in recipients), zones)
+        queued = routed.queued
+        zones = tuple(dict.fromkeys(r.zone for r in queued))
+        addresses = tuple(r.address for r in queued)
+        return Receipt(msg_id, meta.size, addresses, zones, tuple(routed.refused))
+
+    async def _route(self, envelope: Envelope, fields: Message, source: dict[str, str]) -> _Routed:
+        """Every recipient through the rules and the ``queue:route`` plugins (see the module
+        docstring).  Raises ``Refused`` when all were refused, ``PluginFailure`` when a
+        plugin misbehaves."""
+        header = fields.get(self.zone_header)
+        zone_header = None if header is None else str(header)
+        client_ip = source.get("client")
+        sender = envelope.sender
+        routed = _Routed()
+        for rcpt in envelope.recipients:
+            rules = self.router.decide(
+                rcpt, sender=sender, client_ip=client_ip, trusted=True, zone_header=zone_header
+            )
+            # No SMTP session: RouteArgs.session is None for mail from the API.
+            verdict = await self.router.consult(rcpt, rules, sender=sender)
+            if isinstance(verdict, Route):
+                routed.queued.append(NewRecipient(rcpt, verdict.zone))
+            elif isinstance(verdict, Drop):
+                routed.dropped.append(DroppedRecipient(rcpt, rules.zone, verdict.reason))
+            else:
+                routed.refused.append(Refusal(rcpt, verdict))
+        if not routed.queued and not routed.dropped:
+            raise Refused(routed.refused)
+        return routed
 
     def _read_header(self, first: bytes, envelope: Envelope | None, now: int) -> _Header:
         hostname = self.config.server.resolved_hostname()
@@ -229,8 +322,9 @@ class Intake:
         body: AsyncIterable[bytes],
         envelope: Envelope | None,
         source: dict[str, str],
-    ) -> tuple[MessageMeta, list[NewRecipient], bytes | None]:
-        """Write the body's full chunks; the commit's metadata, recipients and tail."""
+    ) -> tuple[MessageMeta, Envelope, Message, bytes | None]:
+        """Write the body's full chunks; the commit's metadata, the envelope, the header
+        fields and the tail."""
         step = self.store.chunk_size
         buffer = bytearray()
         header: _Header | None = None
@@ -262,9 +356,6 @@ class Intake:
             stored += len(tail)
         if envelope is None:
             envelope = envelope_from_headers(header.fields)
-        recipients = [
-            NewRecipient(rcpt, self.router.decide(rcpt).zone) for rcpt in envelope.recipients
-        ]
         meta = MessageMeta(
             msg_id=msg_id,
             sender=envelope.sender,
@@ -277,4 +368,4 @@ class Intake:
             headers=header.browse,
             source=source,
         )
-        return meta, recipients, tail
+        return meta, envelope, header.fields, tail
