@@ -150,10 +150,14 @@ async def _connect(dest: Destination, seen: Seen) -> aiosmtplib.SMTP:
         reply = _to_reply(exc.code, exc.message, Stage.GREETING)
         raise Abort(Stage.GREETING, classify(reply, Stage.GREETING), reply=reply) from None
     except (aiosmtplib.SMTPException, ssl.SSLError, OSError) as exc:
+        # With implicit TLS the handshake is part of connecting; a certificate that does
+        # not verify is then a cryptographic failure (X.7.5), as after STARTTLS, not "no
+        # answer" (RFC 3463 sections 3.5 and 3.8).
+        crypto = dest.implicit_tls and _caused_by_ssl(exc)
         raise Abort(
             Stage.CONNECT,
             Verdict.NEXT_HOST,
-            status=NO_ANSWER,
+            status=TLS_FAILED if crypto else NO_ANSWER,
             detail=f"{type(exc).__name__}: {exc}",
         ) from None
     peer = smtp.get_transport_info("peername")
@@ -161,6 +165,18 @@ async def _connect(dest: Destination, seen: Seen) -> aiosmtplib.SMTP:
     seen.peer = str(peer[0]) if peer else None
     seen.local = str(local[0]) if local else None
     return smtp
+
+
+def _caused_by_ssl(exc: BaseException) -> bool:
+    """Whether ``exc`` is, or was raised from, an ``ssl.SSLError`` (aiosmtplib wraps it)."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # a chain is short; bounded against a cycle
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 async def _hello(smtp: aiosmtplib.SMTP, dest: Destination) -> dict[str, str]:
