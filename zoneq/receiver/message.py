@@ -15,6 +15,7 @@ Pure: no I/O, no clock (the caller passes the time).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -41,6 +42,11 @@ _BROWSED: Final = {"message-id": "Message-ID", "subject": "Subject", "from": "Fr
 _MAX_VALUE: Final = 998  # RFC 5322 section 2.1.1: what one line may hold
 
 
+# The Received field is built for every message, mostly from the same few values (one
+# hostname, a few clients, one date per second): remembering the pieces cut it from ~22 us
+# to ~3 us a message (about 2.5% of the core's CPU per message in accept_bench.py).
+# Bounded caches, keyed by the peer's text at most 512 octets long (a command line).
+@functools.lru_cache(maxsize=1024)
 def address_literal(ip: str) -> str:
     """RFC 5321 section 4.1.3: ``[192.0.2.1]``, ``[IPv6:2001:db8::1]``."""
     try:
@@ -52,6 +58,7 @@ def address_literal(ip: str) -> str:
     return f"[{address}]"
 
 
+@functools.lru_cache(maxsize=1024)
 def _clean(text: str) -> str:
     """Peer-supplied text made safe inside the trace field: printable ASCII other than the
     characters that delimit its clauses (comments, the date separator)."""
@@ -81,7 +88,6 @@ def received_header(
     ``recipient`` is given only when the message has exactly one (section 7.2: listing
     several would disclose the others).  ``protocol`` is from ``protocol_keyword``.
     """
-    when = format_datetime(datetime.fromtimestamp(now_ms / 1000, tz=UTC))
     parts = [
         "Received:",
         "from",
@@ -97,8 +103,14 @@ def received_header(
     ]
     if recipient:
         parts += ["for", f"<{recipient}>;"]
-    parts += when.split(" ")
+    parts += _date_words(now_ms // 1000)
     return _fold(parts).encode("utf-8") + b"\r\n"
+
+
+@functools.lru_cache(maxsize=4)
+def _date_words(second: int) -> tuple[str, ...]:
+    """The RFC 5322 date-time of ``second`` (since the epoch, UTC), as words to fold."""
+    return tuple(format_datetime(datetime.fromtimestamp(second, tz=UTC)).split(" "))
 
 
 def _fold(words: list[str]) -> str:
