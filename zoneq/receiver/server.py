@@ -65,6 +65,7 @@ from zoneq.ipc.intake_messages import (
     ReceivedMessage,
     ReceivedRecipient,
 )
+from zoneq.logs import REPEATS
 from zoneq.plugin import PluginHost, Session
 from zoneq.protocol.dsn import Notify
 from zoneq.protocol.ids import format_id
@@ -509,7 +510,9 @@ class _Session:
         admitted = await asyncio.shield(self.admission)
         self.admission = None
         if admitted is not True:
-            log.warning("refusing %s: too many connections from that address", self.ip)
+            log.warning(
+                "refusing %s: too many connections from that address", self.ip, extra=REPEATS
+            )
             self._say_bye(TOO_MANY, 4, 7, 0)
         return admitted is True
 
@@ -581,10 +584,10 @@ class _Session:
         except CoreUnreachable:
             raise
         except InsufficientStorage as exc:
-            log.warning("refusing MAIL from %s: %s", self.ip, exc)
+            log.warning("refusing MAIL from %s: %s", self.ip, exc, extra=REPEATS)
             return self.conn.reject(INSUFFICIENT_STORAGE)
         except ZoneqError as exc:
-            log.warning("refusing MAIL from %s: queue unavailable: %s", self.ip, exc)
+            log.warning("refusing MAIL from %s: queue unavailable: %s", self.ip, exc, extra=REPEATS)
             return self.conn.reject(LOCAL_ERROR)
         self.msg_id = msg_id
         self.mail = event
@@ -660,7 +663,9 @@ class _Session:
             except CoreUnreachable:
                 raise
             except ZoneqError as exc:
-                log.warning("message %s: chunk write failed: %s", format_id(self.msg_id), exc)
+                log.warning(
+                    "message %s: chunk write failed: %s", format_id(self.msg_id), exc, extra=REPEATS
+                )
                 self.fault = LOCAL_ERROR
                 break
             self.index += 1
@@ -724,7 +729,7 @@ class _Session:
         except CoreUnreachable:
             raise
         except (ZoneqError, ValueError) as exc:
-            log.warning("message %s: commit failed: %s", format_id(msg_id), exc)
+            log.warning("message %s: commit failed: %s", format_id(msg_id), exc, extra=REPEATS)
             await self._end_transaction()
             return self.conn.reject(LOCAL_ERROR)
         self.msg_id = None  # queued: nothing to abandon any more
@@ -765,4 +770,4 @@ class _Session:
             await asyncio.shield(self.sink.abandon(msg_id))
         except ZoneqError as exc:
             # The sweep removes the chunks later (the receiving marker stays).
-            log.warning("message %s: abandon failed: %s", format_id(msg_id), exc)
+            log.warning("message %s: abandon failed: %s", format_id(msg_id), exc, extra=REPEATS)
