@@ -35,8 +35,7 @@ def facet_table(events: list[Row]) -> pa.Table:
         if kind == "delivered":
             keys.append((tables.ATTEMPTS, e["attempt"], None, None, None))
         if kind in tables.ATTEMPT_KINDS:
-            keys.append((tables.DOMAIN, None, e["domain"], None, None))
-            keys.append((tables.MX, None, e["mx"] or tables.NO_MX, None, None))
+            keys.append((tables.DOMAIN, None, e["domain"], e["mx"] or tables.NO_MX, None))
             keys.append((tables.SOURCE, None, e["source_ip"] or tables.NO_SOURCE, None, None))
         if kind in tables.REPLY_KINDS:
             code = "" if e["code"] is None else str(e["code"])

@@ -114,12 +114,11 @@ def attempts(facets: pa.Table) -> pa.Table:
     return sort(table, [("zone", _ASC), ("attempts", _ASC)])
 
 
-def rates(facets: pa.Table, facet: int, label: str) -> pa.Table:
-    """Per zone and ``label`` (domain, MX, source address): attempts, outcomes and rates."""
+def rates(facets: pa.Table, facet: int, key: str, label: str) -> pa.Table:
+    """Per zone and ``label`` (domain, MX, source address; in the ``facet`` rows' column
+    ``key``): attempts, outcomes and rates."""
     rows = _facet(facets, facet)
-    keyed = pa.table(
-        {"zone": rows["zone"], label: rows["s1"], "kind": rows["kind"], "n": rows["n"]}
-    )
+    keyed = pa.table({"zone": rows["zone"], label: rows[key], "kind": rows["kind"], "n": rows["n"]})
     counts = _pivot(keyed, ["zone", label], "n", ATTEMPT_KINDS)
     failed = pc.add(counts["bounced"], counts["expired"])
     finished = pc.add(counts["delivered"], failed)
@@ -168,8 +167,8 @@ def event_tables(facets: pa.Table) -> dict[str, pa.Table]:
         "hourly": hourly(facets),
         "attempts": attempts(facets),
     }
-    for name, (facet, label) in RATE_FACETS.items():
-        made[name] = rates(facets, facet, label)
+    for name, (facet, key, label) in RATE_FACETS.items():
+        made[name] = rates(facets, facet, key, label)
     made["replies"] = replies(facets)
     return made
 
