@@ -90,8 +90,11 @@ def start(
         # A report is a few short queries: the JVM's C2 compiler spends more CPU compiling
         # them than they run for.  C1 only, measured on 1 M Parquet events with 2 cores
         # (tools/bench/analytics_bench.py, class cache on): 16-19 CPU-s for the whole job
-        # instead of 23; G1, Parallel and Serial GC made no difference beyond the noise.
-        java_options.append("-XX:TieredStopAtLevel=1")
+        # instead of 23.  The serial collector: G1's concurrent marking and refinement
+        # threads and its write barriers cost CPU a short run never earns back; measured
+        # fully cold (no class cache), 4 runs each, alternating: 20.0 CPU-s for the whole
+        # job instead of 23.2 (its pauses are short on a heap this size).
+        java_options.extend(("-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"))
         if class_cache is not None and not under_spark_submit():
             java_options.extend(class_cache.java_options())
     builder = builder.config("spark.driver.extraJavaOptions", " ".join(java_options))
