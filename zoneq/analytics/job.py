@@ -144,14 +144,17 @@ def build_report(
     input_format: str = "auto",
     json_on_driver: bool | None = None,
     shown: Sequence[str] | None = None,
+    started: float | None = None,
 ) -> Report:
     """Read ``sources`` (export directories), write the tables and report into ``out``.
 
     JSON lines exports are converted to Parquet on the driver first (``convert.py``) when
     ``json_on_driver`` says so; by default when Spark is local and the inputs are local
     directories.  ``shown``: the inputs as the page names them (default ``sources``).
+    ``started``: the ``time.monotonic()`` the phase times and ``Report.seconds`` count from
+    (default now; ``run`` passes its own start, so they include starting Spark).
     """
-    started = time.monotonic()
+    started = time.monotonic() if started is None else started
     inputs.normalise(sources)
     fmt = inputs.detect_format(sources, input_format)
     if json_on_driver is None:
@@ -291,7 +294,9 @@ def run(
         spark = starting.result()
         log.debug("Spark started: %.1f s", time.monotonic() - started)
         try:
-            return build_report(spark, readable, out, input_format=fmt_read, shown=sources)
+            return build_report(
+                spark, readable, out, input_format=fmt_read, shown=sources, started=started
+            )
         finally:
             _stop(spark, cache)
 
