@@ -2,6 +2,7 @@
 
     python tools/bench/analytics_bench.py                       # 1 M, Parquet and JSON lines
     python tools/bench/analytics_bench.py --events 1000000 10000000 --formats parquet
+    python tools/bench/analytics_bench.py --dir bench-data --reuse --class-cache off  # again
 
 For each size an export directory is generated in zoneq export's layout (events/day=/zone=/
 part files, a queue/current file and the watermark), with a realistic mix: 8 zones, 2,000
@@ -12,10 +13,16 @@ the HTML report) and its wall time is measured.  The generated data is synthetic
 writing 10 M events through a real store would take longer than the report itself; the
 export and analytics tests cover real events.
 
-Each export is reported on up to three times (``--class-cache``): ``off``, a fully cold
-JVM without the class-data archive; ``first``, the run that records the archive (its JVM
+Each export is reported on up to three times (``--class-cache``), and each run's line and
+row say which it was: ``off``, a fully cold JVM without the class-data archive (the
+figure issue 6's goal is about); ``first``, the run that records the archive (its JVM
 writes it at exit, counted); ``cached``, a later run mapping it.  Every run is a new
-process and a new JVM.  The job's own phase times (its DEBUG log) are printed under each.
+process and a new JVM.  The job's own phase times (its DEBUG log, seconds since the job
+started, after Python's imports) are printed under each.  ``--repeat N`` runs each mode N
+times in turn (off, first, cached, off, ...), and the summary gives each one's median.
+
+Generating the 1 M JSON lines export takes longer than a report: ``--dir D --reuse`` keeps
+the exports in D and uses one again when its watermark has the same count and format.
 
 Issue 6's goal: the full report for 1 M events in at most 15 s on 2 cores, 10 M in 150 s.
 """
@@ -27,6 +34,7 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,7 +56,7 @@ from zoneq.export.files import (  # noqa: E402
     partition_dir,
     write_rows,
 )
-from zoneq.export.watermark import Watermark, save  # noqa: E402
+from zoneq.export.watermark import ExportError, Watermark, load, save  # noqa: E402
 from zoneq.protocol.columns import EVENT_COLUMNS, QUEUE_COLUMNS  # noqa: E402
 from zoneq.protocol.ids import COUNTER_BITS, format_id  # noqa: E402
 
@@ -72,8 +80,8 @@ TEXTS = {
 ROWS_PER_FILE = 500_000
 
 
-def generate(n: int, directory: Path, fmt: Format, seed: int = 6) -> int:
-    """An export of ``n`` events in ``directory``; its size in bytes."""
+def generate(n: int, directory: Path, fmt: Format, seed: int = 6) -> None:
+    """An export of ``n`` events in ``directory``."""
     rng = np.random.default_rng(seed)
     days = 7
     time_ms = np.sort(rng.integers(T0, T0 + days * DAY, n))
@@ -166,7 +174,6 @@ def generate(n: int, directory: Path, fmt: Format, seed: int = 6) -> int:
     ]
     write_rows(directory / QUEUE_DIR / (QUEUE_STEM + fmt.suffix), queue_rows, QUEUE_COLUMNS, fmt)
     save(directory, Watermark(fmt, int(time_ms[-1]) << COUNTER_BITS, n))
-    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
 class TreeCpu:
@@ -253,12 +260,39 @@ def run_report(
     return elapsed, cpu.seconds, stdout.strip(), phases
 
 
-def main() -> int:
+ARCHIVE_STATE = {
+    "off": "no class-data archive: fully cold",
+    "first": "records the class-data archive",
+    "cached": "maps the class-data archive",
+}
+
+
+def reusable(directory: Path, n: int, fmt: Format) -> bool:
+    """Whether ``directory`` holds a complete generated export of ``n`` events in ``fmt``
+    (its watermark is written last)."""
+    try:
+        mark = load(directory)
+    except ExportError:
+        return False
+    return mark is not None and mark.fmt is fmt and mark.events == n
+
+
+Result = tuple[int, str, str, float, float, float, float, float]
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, nargs="+", default=[1_000_000])
     parser.add_argument("--formats", nargs="+", default=["parquet", "jsonl"])
     parser.add_argument("--dir", type=Path, default=None, help="where to generate (default: tmp)")
     parser.add_argument("--keep", action="store_true", help="keep the generated exports")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="use an export already in --dir (same count and format) instead of generating "
+        "it again; implies --keep",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each mode, alternating")
     parser.add_argument(
         "--class-cache",
         nargs="+",
@@ -272,62 +306,101 @@ def main() -> int:
         default=None,
         help="class-data archive directory to use (default: one in --dir, made by 'first')",
     )
-    args = parser.parse_args()
-    base = args.dir or Path(tempfile.mkdtemp(prefix="zoneq-analytics-bench-"))
-    # one archive serves every size and format (it holds classes, not data)
-    cache = args.class_cache_dir or base / "class-cache"
-    load = os.getloadavg()
-    print(
-        f"cores: {os.cpu_count()}, load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
-    )
-    results = []
-    try:
-        for n in args.events:
-            for name in args.formats:
-                fmt = Format(name)
-                directory = base / f"export-{n}-{name}"
-                shutil.rmtree(directory, ignore_errors=True)
-                t = time.monotonic()
-                size = generate(n, directory, fmt)
-                generated = time.monotonic() - t
-                for mode in args.class_cache:
-                    archives = list(cache.glob("*.jsa"))
-                    if mode == "first":
-                        for archive in archives:
-                            archive.unlink()
-                    elif mode == "cached" and not archives:
-                        print("      (no class-data archive yet: this run records it)")
-                    seconds, cpu, said, phases = run_report(
-                        directory, base / f"report-{n}-{name}", None if mode == "off" else cache
-                    )
-                    load = os.getloadavg()[0]
-                    results.append((n, name, mode, size, generated, seconds, cpu, load))
-                    print(f"  {n:>10,} {name:8} {mode:7} report {seconds:6.1f} s  ({said})")
-                    print("".join(f"      {phase}\n" for phase in phases), end="", flush=True)
-                if not args.keep:
-                    shutil.rmtree(directory, ignore_errors=True)
-    finally:
-        if not args.keep and args.dir is None:
-            shutil.rmtree(base, ignore_errors=True)
+    return parser
+
+
+def _prepare(directory: Path, n: int, fmt: Format, reuse: bool) -> tuple[float, int]:
+    """The export in ``directory`` generated (or reused); seconds spent and its bytes."""
+    started = time.monotonic()
+    if not (reuse and reusable(directory, n, fmt)):
+        shutil.rmtree(directory, ignore_errors=True)
+        generate(n, directory, fmt)
+    generated = time.monotonic() - started
+    return generated, sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def _run_modes(
+    args: argparse.Namespace, directory: Path, out: Path, cache: Path
+) -> list[tuple[str, float, float, float]]:
+    """Each ``--class-cache`` mode ``--repeat`` times in turn: (mode, wall s, cpu s, load)."""
+    done = []
+    for _ in range(args.repeat):
+        for mode in args.class_cache:
+            archives = list(cache.glob("*.jsa"))
+            if mode == "first":
+                for archive in archives:
+                    archive.unlink()
+            elif mode == "cached" and not archives:
+                print("      (no class-data archive yet: this run records it)")
+            seconds, cpu, said, phases = run_report(
+                directory, out, None if mode == "off" else cache
+            )
+            load_1m = os.getloadavg()[0]
+            done.append((mode, seconds, cpu, load_1m))
+            print(
+                f"  {directory.name:>22} {mode:7} report {seconds:6.1f} s, cpu {cpu:5.1f} s, "
+                f"load {load_1m:.2f} ({ARCHIVE_STATE[mode]})"
+            )
+            print(f"      {said}")
+            print("".join(f"      {phase}\n" for phase in phases), end="", flush=True)
+    return done
+
+
+def _summary(results: list[Result], repeat: int) -> None:
     print()
     print(
         f"{'events':>12} {'format':8} {'classes':7} {'export MB':>10} {'generate s':>11} "
         f"{'report s':>9} {'cpu s':>7} {'load 1m':>7}"
     )
-    for n, name, mode, size, generated, seconds, cpu, load in results:
+    for n, name, mode, size, generated, seconds, cpu, load_1m in results:
         print(
             f"{n:>12,} {name:8} {mode:7} {size / 1e6:>10.1f} {generated:>11.1f} "
-            f"{seconds:>9.1f} {cpu:>7.1f} {load:>7.2f}"
+            f"{seconds:>9.1f} {cpu:>7.1f} {load_1m:>7.2f}"
         )
-    keys = ("events", "format", "class_cache", "report_s", "cpu_s")
+    if repeat > 1:
+        print("medians:")
+        for key in dict.fromkeys(r[:3] for r in results):
+            runs = [r for r in results if r[:3] == key]
+            print(
+                f"{key[0]:>12,} {key[1]:8} {key[2]:7} report "
+                f"{statistics.median(r[5] for r in runs):6.1f} s, cpu "
+                f"{statistics.median(r[6] for r in runs):5.1f} s, load "
+                f"{statistics.median(r[7] for r in runs):.2f} ({ARCHIVE_STATE[key[2]]})"
+            )
+    keys = ("events", "format", "class_cache", "report_s", "cpu_s", "load_1m")
+    rows = [(r[0], r[1], r[2], round(r[5], 2), round(r[6], 2), round(r[7], 2)) for r in results]
+    print(json.dumps([dict(zip(keys, row, strict=True)) for row in rows]))
+
+
+def main() -> int:
+    parser = _parser()
+    args = parser.parse_args()
+    if args.reuse and args.dir is None:
+        parser.error("--reuse needs --dir")
+    keep = args.keep or args.reuse
+    base = args.dir or Path(tempfile.mkdtemp(prefix="zoneq-analytics-bench-"))
+    # one archive serves every size and format (it holds classes, not data)
+    cache = args.class_cache_dir or base / "class-cache"
+    load_avg = os.getloadavg()
     print(
-        json.dumps(
-            [
-                dict(zip(keys, (r[0], r[1], r[2], round(r[5], 2), round(r[6], 2)), strict=True))
-                for r in results
-            ]
-        )
+        f"cores: {os.cpu_count()}, load average before: "
+        f"{load_avg[0]:.2f} {load_avg[1]:.2f} {load_avg[2]:.2f}"
     )
+    results: list[Result] = []
+    try:
+        for n in args.events:
+            for name in args.formats:
+                directory = base / f"export-{n}-{name}"
+                generated, size = _prepare(directory, n, Format(name), args.reuse)
+                out = base / f"report-{n}-{name}"
+                for mode, seconds, cpu, load_1m in _run_modes(args, directory, out, cache):
+                    results.append((n, name, mode, size, generated, seconds, cpu, load_1m))
+                if not keep:
+                    shutil.rmtree(directory, ignore_errors=True)
+    finally:
+        if not keep and args.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    _summary(results, args.repeat)
     return 0
 
 
