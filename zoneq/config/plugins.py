@@ -22,8 +22,7 @@ from typing import Annotated, Any, Final
 from pydantic import AfterValidator, BaseModel, Field
 from pydantic_core import PydanticCustomError
 
-from zoneq.config.types import Duration, Section
-from zoneq.protocol.retry import parse_duration
+from zoneq.config.types import Section, TimeLimit, time_limit_s
 
 __all__ = [
     "PLUGIN_DIR",
@@ -74,15 +73,16 @@ class PluginConfig(Section):
     """A Python file (``"plugins/dkim.py"``, a path with a ``/`` or ending in ``.py``) or an
     importable module (``"mycompany.zoneq_plugins.webhook"``).  None: ``plugins/<name>.py``."""
 
-    timeout: Duration = "5s"
-    """Time limit of one hook call; past it the call counts as failed (451 at receive time)."""
+    timeout: TimeLimit = "5s"
+    """Time limit of one hook call; past it the call counts as failed (451 at receive time).
+    May be under a second ("500ms", "0.5s"): a check on every RCPT wants a short one."""
 
     # Not strict, and any TOML value: the plugin's own ``Options`` model says what is valid.
     options: Annotated[dict[str, Any], Field(strict=False)] = Field(default_factory=dict)
 
     @property
     def timeout_s(self) -> float:
-        return parse_duration(self.timeout) / 1000
+        return time_limit_s(self.timeout)
 
 
 def _is_file_spec(spec: str) -> bool:

@@ -22,8 +22,10 @@ __all__ = [
     "HostName",
     "Network",
     "Section",
+    "TimeLimit",
     "ZoneName",
     "problems_error",
+    "time_limit_s",
 ]
 
 PROBLEMS_ERROR_TYPE: Final = "zoneq_problems"
@@ -66,6 +68,36 @@ def _check_duration(value: str) -> str:
     return value
 
 
+# A time limit may be under a second: "500ms" or "0.5s" (or "0.5": seconds), beside every
+# form parse_duration takes.  Retry schedules and lifetimes keep whole seconds.
+_SUBSECOND: Final = re.compile(r"(?:([0-9]+)ms|([0-9]+\.[0-9]{1,3}|[0-9]*\.[0-9]{1,3})s?)")
+MIN_TIME_LIMIT_MS: Final = 100
+"""A hook call costs a thread hop and the loop's scheduling; on a loaded machine that is
+tens of milliseconds, so a shorter limit would fail healthy plugins at random."""
+
+
+def time_limit_s(value: str) -> float:
+    """A ``TimeLimit`` string in seconds."""
+    text = value.strip()
+    match = _SUBSECOND.fullmatch(text)
+    if match is None:
+        return parse_duration(text) / 1000
+    millis, seconds = match.groups()
+    return int(millis) / 1000 if millis is not None else float(seconds)
+
+
+def _check_time_limit(value: str) -> str:
+    try:
+        seconds = time_limit_s(value)
+    except ValueError as exc:
+        reason = f"{exc}; under a second, write e.g. '500ms' or '0.5s'"
+        raise PydanticCustomError("duration", "{reason}", {"reason": reason}) from None
+    if seconds * 1000 < MIN_TIME_LIMIT_MS:
+        reason = f"time limit {value!r} is too short: at least {MIN_TIME_LIMIT_MS}ms"
+        raise PydanticCustomError("duration", "{reason}", {"reason": reason})
+    return value
+
+
 def _check_zone_name(value: str) -> str:
     if not _ZONE_NAME.fullmatch(value):
         reason = f"invalid zone name {value!r}: use 1 to 64 letters, digits, '-', '_' or '.'"
@@ -94,6 +126,9 @@ def _check_network(value: str) -> str:
 
 Duration = Annotated[str, AfterValidator(_check_duration)]
 """A positive duration in ``parse_duration`` syntax: ``"90"`` (seconds), ``"15m"``, ``"1h30m"``."""
+
+TimeLimit = Annotated[str, AfterValidator(_check_time_limit)]
+"""A ``Duration``, or under a second (``"500ms"``, ``"0.5s"``), at least 100 ms."""
 
 ZoneName = Annotated[str, AfterValidator(_check_zone_name)]
 """1..64 of letters, digits, ``-``, ``_``, ``.``: safe in log lines, metrics labels and keys."""
