@@ -12,7 +12,14 @@ unsigned.  Keys are read once, at start-up: a missing or unreadable key stops zo
 rather than failing every delivery later.
 
 dkimpy (the reference implementation in Python, with the verifier the tests use) needs the
-whole message; the body is read from the queue once per delivery for that.
+whole message; the body is read from the queue once per delivery for that, and the hashing
+and RSA run on the plugin's own threads, so a large message does not stall the worker's
+other connections.  ``max_size`` bounds the memory that costs: a message larger than it
+goes out unsigned, with a warning in the log.  Not deferred: its size will not change, so
+retrying could only end in a bounce days later, whereas unsigned mail is still delivered
+(how receivers treat it is the domain's DMARC policy's call).  An administrator who wants
+such mail refused sets ``receiver.max_message_size`` at or below ``max_size``, and it is
+refused at DATA (552) before it is ever accepted.
 """
 
 from __future__ import annotations
@@ -26,9 +33,9 @@ from typing import Literal
 # This file is plugins/dkim.py, loaded by path under another module name, so "dkim" here
 # is the dkimpy package and not this file.
 import dkim as dkimpy
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
-from zoneq.plugin import AddHeaders, Hook, PluginApp, SenderHeadersArgs
+from zoneq.plugin import AddHeaders, Hook, OptionError, PluginApp, SenderHeadersArgs
 
 # RFC 6376 section 5.4.1 lists these as the fields a signer should cover; From is required.
 DEFAULT_HEADERS = (
@@ -66,14 +73,29 @@ class Options(BaseModel):
     canonicalization: Literal["relaxed/relaxed", "relaxed/simple", "simple/simple"] = (
         "relaxed/relaxed"
     )
+    # 25 MiB: about what the large mailbox providers accept at all; dkimpy holds a few
+    # copies of the message while signing, so this bounds a worker's memory per delivery.
+    max_size: ByteSize = Field(default=ByteSize(25 << 20), gt=0)
+    """Largest message (header and body) to sign, in bytes or as "25MiB"; a larger one goes
+    out unsigned."""
 
 
 class Signer:
     def __init__(self, options: Options) -> None:
-        self.keys = {
-            domain.lower().rstrip("."): (key.selector.encode(), key.key_file.read_bytes())
-            for domain, key in options.domains.items()
-        }
+        self.keys: dict[str, tuple[bytes, bytes]] = {}
+        faults: list[OptionError] = []
+        for domain, key in options.domains.items():
+            try:
+                self.keys[domain.lower().rstrip(".")] = (
+                    key.selector.encode(),
+                    key.key_file.read_bytes(),
+                )
+            except OSError as exc:
+                where = ("domains", domain, "key_file")
+                problem = f"cannot read key file {str(key.key_file)!r}: {exc.strerror or exc}"
+                faults.append(OptionError(where, problem))
+        if faults:  # every unreadable key at once, each naming its domain
+            raise ExceptionGroup("DKIM key files", faults)
         self.headers = [name.encode() for name in options.headers]
         header_c, body_c = options.canonicalization.split("/")
         self.canonicalize = (header_c.encode(), body_c.encode())
@@ -111,6 +133,18 @@ def _from_domains(headers: bytes) -> list[str | None]:
     return [_domain(address) for _name, address in getaddresses(values)]
 
 
+async def _read_at_most(args: SenderHeadersArgs, limit: int) -> bytes | None:
+    """The whole message, or None (read no further) once it is past ``limit`` bytes."""
+    chunks = [args.headers]
+    size = len(args.headers)
+    async for chunk in args.body():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def init(app: PluginApp) -> None:
     options = app.options
     assert isinstance(options, Options)
@@ -120,8 +154,16 @@ def init(app: PluginApp) -> None:
         domain = signer.domain_for(args.headers, args.sender)
         if domain is None:
             return None
-        body = b"".join([chunk async for chunk in args.body()])
-        # RSA signing is CPU work of about a millisecond; not worth a thread hop each time.
-        return AddHeaders((signer.sign(args.headers + body, domain),))
+        message = await _read_at_most(args, options.max_size)
+        if message is None:
+            app.log.warning(
+                "message %s to %s is over max_size (%d bytes): sent without a DKIM signature",
+                args.message_id,
+                args.domain,
+                options.max_size,
+            )
+            return None
+        # Hashing and RSA take milliseconds per megabyte: off the worker's event loop.
+        return AddHeaders((await app.to_thread(signer.sign, message, domain),))
 
     app.add_hook(Hook.SENDER_HEADERS, sign)

@@ -14,6 +14,7 @@ from zoneq.config import check_config, load_config
 from zoneq.delivery import worker
 from zoneq.errors import ConfigError, ListenError, StoreLocked
 from zoneq.export import command as export_command
+from zoneq.plugin.check import plugin_problems
 from zoneq.receiver import hash_password
 from zoneq.receiver import process as receiver_process
 
@@ -26,6 +27,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         runtime.run(config, args.config)
+    except ConfigError as exc:  # found at start-up: a plugin's init refused (issue 5)
+        print(f"zoneq: configuration error:\n{exc}", file=sys.stderr)
+        return 2
     except (StoreLocked, ListenError) as exc:
         print(f"zoneq: {exc}", file=sys.stderr)
         return 1
@@ -55,6 +59,9 @@ def _cmd_receiver(args: argparse.Namespace) -> int:
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
     problems = check_config(args.config)
+    if not problems:
+        # What start-up would find next: each plugin's own init (key files, zones, events).
+        problems = [str(p) for p in plugin_problems(load_config(args.config))]
     where = args.config if args.config is not None else "the built-in configuration"
     if problems:
         print(f"{where}: {len(problems)} problem(s)", file=sys.stderr)

@@ -7,7 +7,9 @@ import base64
 import json
 import os
 import subprocess
+import threading
 from pathlib import Path
+from typing import Any
 
 import dkim
 import pytest
@@ -90,7 +92,7 @@ def test_dkim_missing_key_file_stops_start_up(tmp_path: Path) -> None:
     options = {"domains": {"shop.example": {"selector": "s1", "key_file": str(tmp_path / "no")}}}
     with pytest.raises(ConfigError) as info:
         host_with({"dkim": {"module": BUNDLED / "dkim.py", "options": options}})
-    assert info.value.key == "plugins.dkim"
+    assert info.value.key == 'plugins.dkim.options.domains."shop.example".key_file'
     assert "No such file" in info.value.problem
 
 
@@ -194,3 +196,43 @@ def test_rules_router_refuses_an_undefined_zone_at_start_up() -> None:
     options = {"rules": [{"sender": "*", "zone": "nope"}]}
     with pytest.raises(ConfigError, match="nope"):
         host_with({"rr": {"module": BUNDLED / "rules_router.py", "options": options}})
+
+
+def test_dkim_over_max_size_goes_out_unsigned_with_a_warning(
+    tmp_path: Path, rsa_key: tuple[bytes, bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    private, _ = rsa_key
+    key_file = tmp_path / "dkim.pem"
+    key_file.write_bytes(private)
+    options = {
+        "domains": {"shop.example": {"selector": "s1", "key_file": str(key_file)}},
+        "max_size": f"{len(MESSAGE)}B",  # exactly this message fits; one byte more does not
+    }
+    host = host_with({"dkim": {"module": BUNDLED / "dkim.py", "options": options}})
+    fits = asyncio.run(host.call(Hook.SENDER_HEADERS, sender_args(MESSAGE)))
+    assert fits.headers[0].startswith(b"DKIM-Signature:")
+    with caplog.at_level("WARNING", logger="zoneq.plugin.dkim"):
+        over = asyncio.run(host.call(Hook.SENDER_HEADERS, sender_args(MESSAGE + b"x\r\n")))
+    assert over.headers == ()
+    [record] = [r for r in caplog.records if r.name == "zoneq.plugin.dkim"]
+    assert "m1 to dst.test is over max_size" in record.getMessage()
+    assert "without a DKIM signature" in record.getMessage()
+
+
+def test_dkim_signs_off_the_event_loop_on_the_plugins_threads(
+    tmp_path: Path, rsa_key: tuple[bytes, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    private, _ = rsa_key
+    host = dkim_host(tmp_path, private)
+    seen: list[str] = []
+    original = dkim.sign
+
+    def recording(*args: Any, **kwargs: Any) -> bytes:  # the real signer, noting its thread
+        seen.append(threading.current_thread().name)
+        signature: bytes = original(*args, **kwargs)
+        return signature
+
+    monkeypatch.setattr(dkim, "sign", recording)  # the plugin calls dkimpy.sign at run time
+    result = asyncio.run(host.call(Hook.SENDER_HEADERS, sender_args(MESSAGE)))
+    assert result.headers[0].startswith(b"DKIM-Signature:")
+    assert len(seen) == 1 and seen[0].startswith("plugin-dkim-")

@@ -54,3 +54,61 @@ def sender_args(message: bytes, *, sender: str = "a@src.test", chunk: int = 7) -
         headers=head + b"\r\n\r\n",
         body=read_body,
     )
+
+
+HANGING_PLUGIN = """
+import time
+from pathlib import Path
+
+from zoneq.plugin import Hook
+
+# A plain (def) handler that hangs for recipients whose local part is "hang": it holds one
+# of the plugin's threads until the file options.release exists (bounded, so a test that
+# fails still ends), as a plugin stuck in a blocking call without its own timeout would.
+
+
+def init(app):
+    release = Path(app.options["release"])
+    hung = Path(app.options["hung"])
+
+    def rcpt_to(args):
+        if args.recipient.partition("@")[0] != "hang":
+            return None
+        with hung.open("a") as out:
+            out.write(args.recipient + "\\n")
+        deadline = time.monotonic() + 30
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return None
+
+    app.add_hook(Hook.SMTP_RCPT_TO, rcpt_to)
+"""
+
+FAST_PLUGIN = """
+from zoneq.plugin import EnhancedStatus, Hook, Reply
+
+# A plain handler at MAIL FROM that answers at once: it needs a thread of its own plugin.
+
+
+def init(app):
+    def mail_from(args):
+        if args.sender.startswith("refused@"):
+            return Reply(550, ("Sender refused by plugin",), EnhancedStatus(5, 7, 1))
+        return None
+
+    app.add_hook(Hook.SMTP_MAIL_FROM, mail_from)
+"""
+
+
+def hanging_plugins(directory: Path, timeout: str = "300ms") -> dict[str, dict[str, Any]]:
+    """``[plugins]`` tables: ``hanging`` (``HANGING_PLUGIN``, released by creating
+    ``directory/release``; each hung call appends to ``directory/hung``) and ``fast``."""
+    options = {"release": str(directory / "release"), "hung": str(directory / "hung")}
+    return {
+        "hanging": {
+            "module": str(write_plugin(directory, "hanging", HANGING_PLUGIN)),
+            "timeout": timeout,
+            "options": options,
+        },
+        "fast": {"module": str(write_plugin(directory, "fast", FAST_PLUGIN)), "timeout": timeout},
+    }

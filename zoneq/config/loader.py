@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from zoneq.config.model import PROBLEMS_ERROR_TYPE, Config
-from zoneq.config.plugins import PluginImportError, import_plugin, plugin_options
+from zoneq.config.plugins import PluginConfig, PluginImportError, import_plugin, plugin_options
 from zoneq.errors import ConfigError
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "default_config_text",
     "dotted_key",
     "load_config",
+    "load_plugin",
     "loads_config",
     "problems_from",
     "toml_string",
@@ -349,20 +350,37 @@ def _bind_failure(address: str) -> str | None:
     return None
 
 
+def load_plugin(
+    name: str, plugin: PluginConfig
+) -> tuple[types.ModuleType, BaseModel | dict[str, Any]]:
+    """Plugin ``name``'s module and validated options (what the plugin host initialises).
+
+    Raises ``InvalidConfig`` naming each fault's key: ``plugins.<name>.module`` (or the
+    plugin's table) when it cannot be imported, ``plugins.<name>.options.<key>`` per option.
+    """
+    try:
+        module = import_plugin(name, plugin)
+    except PluginImportError as exc:
+        # Blame the module key when the operator wrote one, else the plugin's table.
+        loc = ("plugins", name, "module") if plugin.module is not None else ("plugins", name)
+        raise InvalidConfig([Problem(dotted_key(loc), str(exc))], f"plugins.{name}") from None
+    try:
+        options = plugin_options(module, plugin)
+    except ValidationError as exc:
+        prefix = dotted_key(("plugins", name, "options"))
+        problems = [
+            Problem(f"{prefix}.{problem.key}" if problem.key else prefix, problem.text)
+            for problem in problems_from(exc)
+        ]
+        raise InvalidConfig(problems, f"plugins.{name}") from None
+    return module, options
+
+
 def _plugin_problems(config: Config) -> Iterator[Problem]:
     for name, plugin in config.plugins.items():
         if not plugin.enabled:
             continue
         try:
-            module = import_plugin(name, plugin)
-        except PluginImportError as exc:
-            # Blame the module key when the operator wrote one, else the plugin's table.
-            loc = ("plugins", name, "module") if plugin.module is not None else ("plugins", name)
-            yield Problem(dotted_key(loc), str(exc))
-            continue
-        try:
-            plugin_options(module, plugin)
-        except ValidationError as exc:
-            prefix = dotted_key(("plugins", name, "options"))
-            for problem in problems_from(exc):
-                yield Problem(f"{prefix}.{problem.key}" if problem.key else prefix, problem.text)
+            load_plugin(name, plugin)
+        except InvalidConfig as exc:
+            yield from exc.problems

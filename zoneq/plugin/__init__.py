@@ -4,7 +4,8 @@ This package is the public API for plugin authors (see ``plugins/README.md``): i
 hook names, argument and result types from here.
 """
 
-from zoneq.plugin.errors import Fault, PluginFailure
+from zoneq.plugin.app import PluginApp
+from zoneq.plugin.errors import Fault, OptionError, PluginFailure
 from zoneq.plugin.hooks import (
     SPECS,
     AddHeaders,
@@ -21,7 +22,7 @@ from zoneq.plugin.hooks import (
     SenderHeadersArgs,
     Session,
 )
-from zoneq.plugin.host import HookResult, PluginApp, PluginHost
+from zoneq.plugin.host import HookResult, PluginHost
 from zoneq.protocol.replies import EnhancedStatus, Reply
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "HookResult",
     "MailFromArgs",
     "MessageHeadersArgs",
+    "OptionError",
     "OutcomeArgs",
     "Phase",
     "PluginApp",

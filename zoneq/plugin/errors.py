@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import enum
 
-from zoneq.errors import TemporaryFailure
+from zoneq.errors import ConfigError, TemporaryFailure
 from zoneq.plugin.hooks import Hook
 from zoneq.protocol.replies import LOCAL_ERROR, Reply
 
-__all__ = ["Fault", "PluginFailure"]
+__all__ = ["Fault", "OptionError", "PluginFailure"]
 
 
 class Fault(enum.StrEnum):
     RAISED = "raised"
     TIMED_OUT = "timed out"
     GARBAGE = "returned garbage"
+    STUCK = "is stuck"
+    """Every thread of the plugin is held by a call past its time limit: failed at once."""
 
 
 class PluginFailure(TemporaryFailure):
@@ -37,3 +39,19 @@ class PluginFailure(TemporaryFailure):
 
     def __reduce__(self) -> tuple[type[PluginFailure], tuple[str, Hook, Fault, str]]:
         return (type(self), (self.plugin, self.hook, self.fault, self.detail))
+
+
+class OptionError(ConfigError):
+    """Raised by a plugin's ``init`` for an option that cannot work (a key file that does
+    not exist, a zone that is not defined).  ``where`` is the option's path inside the
+    plugin's ``options`` table (``("domains", "example.com", "key_file")``), so the problem
+    is reported as ``plugins.<name>.options.domains."example.com".key_file``.  To report
+    several at once, raise an ``ExceptionGroup`` of them.
+    """
+
+    def __init__(self, where: tuple[str | int, ...], problem: str) -> None:
+        super().__init__(".".join(map(str, where)), problem)
+        self.where = where
+
+    def __reduce__(self) -> tuple[type[OptionError], tuple[tuple[str | int, ...], str]]:
+        return (type(self), (self.where, self.problem))

@@ -2,10 +2,12 @@
 
 A plugin is a module with ``init(app)``; ``app.add_hook(Hook.X, handler)`` registers a
 handler, which is called with the hook's argument object (``hooks.py``).  ``async def``
-handlers run on the event loop; plain functions run in a worker thread, so a handler that
-blocks (file I/O, a slow crypto library, a hang) cannot stall every SMTP session, and the
-time limit can abandon it.  An abandoned thread runs on until it returns by itself:
-Python has no way to kill a thread, which is why hanging plugins are logged loudly.
+handlers run on the event loop; plain functions run on the plugin's own threads
+(``threads.py``), so a handler that blocks (file I/O, a slow crypto library, a hang) cannot
+stall every SMTP session, and the time limit can abandon it.  An abandoned thread runs on
+until it returns by itself (Python has no way to kill a thread); when all of a plugin's
+threads are held so, its next calls fail at once (``Fault.STUCK``) rather than queue, and
+nothing else in zoneq is short of a thread.
 
 Isolation (issue 5): whatever a handler does, ``call`` either returns a ``HookResult`` or
 raises ``PluginFailure``; the callers turn that into 451 4.3.0 at receive time and a logged
@@ -17,15 +19,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
-from typing import Any
 
-from pydantic import BaseModel, ValidationError
-
+from zoneq.config.loader import InvalidConfig
 from zoneq.config.model import Config
-from zoneq.config.plugins import PluginImportError, import_plugin, plugin_options
-from zoneq.errors import ConfigError
+from zoneq.plugin.app import Handler, PluginApp
+from zoneq.plugin.check import close_app, initialise
 from zoneq.plugin.errors import Fault, PluginFailure
 from zoneq.plugin.hooks import SPECS, AddHeaders, Drop, Hook, Mode
 from zoneq.protocol.replies import Reply
@@ -33,9 +33,6 @@ from zoneq.protocol.replies import Reply
 __all__ = ["Handler", "HookResult", "PluginApp", "PluginHost"]
 
 log = logging.getLogger("zoneq.plugin")
-
-Handler = Callable[[Any], object | Awaitable[object]]
-"""A hook handler: called with the hook's argument object, returns a result or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,38 +50,13 @@ class HookResult:
 
 @dataclass(slots=True)
 class _Registered:
-    plugin: str
+    app: PluginApp
     handler: Handler
     timeout_s: float
 
-
-class PluginApp:
-    """What a plugin's ``init(app)`` receives."""
-
-    def __init__(self, name: str, options: BaseModel | dict[str, Any], config: Config) -> None:
-        self.name = name
-        self.options = options
-        """The plugin's ``Options`` model instance, or the raw table if it defines none."""
-        self.config = config
-        self.log = logging.getLogger(f"zoneq.plugin.{name}")
-        self.hooks: list[tuple[Hook, Handler]] = []
-        self.closers: list[Callable[[], object | Awaitable[object]]] = []
-
-    def add_hook(self, hook: Hook | str, handler: Handler) -> None:
-        """Call ``handler`` at ``hook``; a hook name that does not exist is refused here, at
-        start-up, rather than never being called."""
-        try:
-            known = Hook(hook)
-        except ValueError:
-            names = ", ".join(h.value for h in Hook)
-            raise ValueError(f"unknown hook {hook!r}; hooks are: {names}") from None
-        if not callable(handler):
-            raise TypeError(f"handler for {known} is not callable: {handler!r}")
-        self.hooks.append((known, handler))
-
-    def on_close(self, closer: Callable[[], object | Awaitable[object]]) -> None:
-        """Call ``closer`` when zoneq stops (close sessions, flush a backlog)."""
-        self.closers.append(closer)
+    @property
+    def plugin(self) -> str:
+        return self.app.name
 
 
 @dataclass(slots=True)
@@ -93,39 +65,27 @@ class PluginHost:
 
     zones: Collection[str]
     handlers: dict[Hook, list[_Registered]] = field(default_factory=dict)
-    closers: list[Callable[[], object | Awaitable[object]]] = field(default_factory=list)
+    apps: list[PluginApp] = field(default_factory=list)
 
     @classmethod
     def from_config(cls, config: Config) -> PluginHost:
         """Import, configure and initialise every enabled plugin.
 
-        Raises ``ConfigError`` naming ``plugins.<name>`` when one cannot be loaded:
-        nothing starts with a plugin missing (issue 5).
+        Raises ``InvalidConfig`` (a ``ConfigError``) listing every plugin's faults, each
+        naming ``plugins.<name>``: nothing starts with a plugin missing (issue 5).
         """
+        apps, problems = initialise(config)
+        if problems:
+            raise InvalidConfig(problems, "plugins")
         host = cls(zones=frozenset(config.zones))
-        for name, settings in config.plugins.items():
-            if not settings.enabled:
-                continue
-            key = f"plugins.{name}"
-            try:
-                module = import_plugin(name, settings)
-                options = plugin_options(module, settings)
-            except PluginImportError as exc:
-                raise ConfigError(key, str(exc)) from None
-            except ValidationError as exc:
-                raise ConfigError(f"{key}.options", str(exc)) from None
-            app = PluginApp(name, options, config)
-            try:
-                module.init(app)
-            except Exception as exc:
-                raise ConfigError(key, f"init failed: {type(exc).__name__}: {exc}") from None
-            host.add(name, app, settings.timeout_s)
+        for app, timeout_s in apps:
+            host.add(app, timeout_s)
         return host
 
-    def add(self, name: str, app: PluginApp, timeout_s: float) -> None:
+    def add(self, app: PluginApp, timeout_s: float) -> None:
         for hook, handler in app.hooks:
-            self.handlers.setdefault(hook, []).append(_Registered(name, handler, timeout_s))
-        self.closers.extend(app.closers)
+            self.handlers.setdefault(hook, []).append(_Registered(app, handler, timeout_s))
+        self.apps.append(app)
 
     def handles(self, hook: Hook) -> bool:
         """Whether any plugin listens at ``hook`` (callers skip building arguments if not)."""
@@ -168,23 +128,21 @@ class PluginHost:
         return failures
 
     async def close(self) -> None:
-        """Run the plugins' ``on_close`` callbacks; one that fails does not stop the rest."""
-        for closer in self.closers:
-            try:
-                result = closer()
-                if inspect.isawaitable(result):
-                    await result
-            except Exception:
-                log.exception("a plugin's close callback failed")
+        """Run the plugins' ``on_close`` callbacks (one that fails does not stop the rest)
+        and stop their threads."""
+        for app in self.apps:
+            await close_app(app)
 
     async def _invoke(self, hook: Hook, entry: _Registered, args: object) -> object:
         try:
             async with asyncio.timeout(entry.timeout_s):
-                result = await _run(entry.handler, args)
+                result = await _run(hook, entry, args)
         except TimeoutError:
             raise PluginFailure(
                 entry.plugin, hook, Fault.TIMED_OUT, f"no answer within {entry.timeout_s:g}s"
             ) from None
+        except PluginFailure:
+            raise
         # SystemExit too: a plugin calling sys.exit() must not stop the server.
         except (Exception, SystemExit) as exc:
             detail = f"{type(exc).__name__}: {exc}"
@@ -211,11 +169,23 @@ class PluginHost:
         return None
 
 
-async def _run(handler: Handler, args: object) -> object:
+async def _run(hook: Hook, entry: _Registered, args: object) -> object:
+    handler = entry.handler
     if inspect.iscoroutinefunction(handler):
         result: object = await handler(args)
         return result
-    result = await asyncio.to_thread(handler, args)
+    threads = entry.app.threads
+    if threads.stuck_full:
+        # Queueing behind calls that may never return would only time out later; failing
+        # now answers the client at once (451) and keeps the plugin's backlog at zero.
+        detail = f"{threads.stuck} calls still running past their time limit"
+        raise PluginFailure(entry.plugin, hook, Fault.STUCK, detail)
+    future = threads.submit(handler, args)
+    try:
+        result = await asyncio.wrap_future(future)
+    except asyncio.CancelledError:  # the time limit (or the caller) gave up on it
+        threads.abandoned(future)
+        raise
     if inspect.isawaitable(result):  # a plain callable that returned a coroutine
         return await result
     return result

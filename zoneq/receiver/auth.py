@@ -7,6 +7,8 @@ leaves that to policy; sending a password in clear text is never right) and answ
 
 * A check runs scrypt in a worker thread, so a 50 ms hash never stalls other sessions; an
   unknown user is checked against a dummy hash, so the answer takes as long either way.
+  The threads are the authenticator's own, not the loop's shared default executor, so
+  nothing else that fills that pool (a plugin's hung handler, once) can hold up AUTH.
 * A failed check answers 535 5.7.8 (RFC 4954 section 6) only after ``FAILURE_DELAY_S``,
   which slows down guessing; after ``MAX_FAILURES`` in one session the client gets 421
   and the connection is closed (as Postfix's ``smtpd_hard_error_limit`` would).
@@ -21,6 +23,7 @@ leaves that to policy; sending a password in clear text is never right) and answ
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
@@ -35,6 +38,8 @@ log = logging.getLogger("zoneq.receiver")
 
 FAILURE_DELAY_S: Final = 1.0
 MAX_FAILURES: Final = 3
+HASH_THREADS: Final = 2
+"""scrypt is CPU work (and releases the GIL): more threads than cores gains nothing."""
 AUTH_OK: Final = Reply(235, ("Authentication successful",), EnhancedStatus(2, 7, 0))
 AUTH_FAILED: Final = Reply(535, ("Authentication credentials invalid",), EnhancedStatus(5, 7, 8))
 TOO_MANY_FAILURES: Final = Reply(
@@ -50,6 +55,10 @@ class Authenticator:
     ) -> None:
         self._users = dict(users)
         self.failure_delay_s = failure_delay_s
+        # Threads start at the first check; none while AUTH is unused.
+        self._hashing = concurrent.futures.ThreadPoolExecutor(
+            max_workers=HASH_THREADS, thread_name_prefix="auth-scrypt"
+        )
 
     @property
     def enabled(self) -> bool:
@@ -60,7 +69,7 @@ class Authenticator:
         stored = self._users.get(credentials.username)
         loop = asyncio.get_running_loop()
         matched = await loop.run_in_executor(
-            None, verify_password, stored or DUMMY_HASH, credentials.password
+            self._hashing, verify_password, stored or DUMMY_HASH, credentials.password
         )
         ok = matched and stored is not None and credentials.authzid in ("", credentials.username)
         if not ok:
