@@ -13,6 +13,7 @@ possible duplicate (the RFC 1047 window) or, for a SIGKILL, what was in flight a
 ``test_remote_down``   connections refused, then accepted: resumes with no restart
 ``test_corruption``    a garbage record: quarantined, the rest delivered; one zoneq
 ``test_clock_jump``    five days later (libfaketime): one bounce each, no storm
+``test_audit``         the verdict itself on made-up ledgers (no processes)
 =====================  ==========================================================
 
 The short profile runs in CI (``tools/dev test``): about 4 minutes on 2 busy cores.

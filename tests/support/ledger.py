@@ -9,6 +9,16 @@ as bounces per (Message-ID, recipient) they report.  :func:`audit` puts the two 
 
 Every message names itself on its last body line and its content is known by digest, so a
 copy that arrives damaged or cut is caught as well as one that never arrives.
+
+An extra copy must be explained.  A SIGKILL test calls :meth:`Ledger.kill_now` right before
+the signal (the client transactions under way then, and which of them had sent DATA) and,
+once the workers are gone, :meth:`Kill.settle` (which pairs that instance of zoneq put at the
+MX while its queue still holds them: delivered, but the kill came before the outcome was
+written).  Each such pair explains one extra copy, per kill; every other extra copy needs a
+possible duplicate the core logged (RFC 1047's window).  A message refused with 4xx that
+reached the MX anyway is a duplicate in waiting (its client sends it again), allowed only
+when it was under way at a kill: RFC 1047's window on the receiving side, where the commit
+may land but the reply is lost or turned into a 4xx.
 """
 
 from __future__ import annotations
@@ -17,20 +27,28 @@ import asyncio
 import hashlib
 import random
 import re
+import shutil
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 import aiosmtplib
 
 from tests.support.smtpsink import Sink, parse_dump
+from zoneq.errors import NotFound
+from zoneq.storage import keys
+from zoneq.storage.store import QueueStore
 
 SENDER = "sender@src.test"
 CLIENT_TIMEOUT = 10.0
 SIZES = (300, 2_000, 20_000, 70_000, 150_000)  # within one chunk, and across several
 DUPLICATE_LOG = re.compile(r"possible duplicate: \S+ to (\S+) via")
+# Both line ends: smtp-sink dumps LF, the queue stores the message as it came (CRLF).
+MESSAGE_ID = re.compile(rb"^Message-ID: (\S+)\r?$", re.MULTILINE | re.IGNORECASE)
+Pair = tuple[str, str]  # (Message-ID, recipient)
 
 
 # --- the messages ----------------------------------------------------------------------------
@@ -69,6 +87,30 @@ def make_message(
 
 
 @dataclass
+class Kill:
+    """What was in flight when the core got its SIGKILL."""
+
+    open: dict[str, list[str]]  # client transactions under way: Message-ID -> recipients
+    data: set[str]  # of those, the ones whose DATA command had gone out
+    # Pairs this instance of zoneq put at the MX (a copy, or a DSN reporting them) while its
+    # queue still holds them: the delivery was done, its outcome not yet written.
+    delivering: set[Pair] = field(default_factory=set)
+    bouncing: set[Pair] = field(default_factory=set)
+
+    def settle(self, seen: Dumps, sink: Sink, data_dir: Path, scratch: Path) -> None:
+        """Fill in the deliveries in flight, once the killed core's workers are gone (they
+        may finish a transaction after the core died): ``seen`` is scanned since the last
+        kill, the queue read from a copy (``scratch``) so the next start recovers it itself."""
+        before_delivered, before_bounced = seen.delivered(), seen.bounces()
+        seen.scan(sink)
+        queued, queued_bounces = queued_pairs(data_dir, scratch)
+        grew = {p for p, n in seen.delivered().items() if n > before_delivered[p]}
+        grew_bounces = {p for p, n in seen.bounces().items() if n > before_bounced[p]}
+        self.delivering = grew & queued
+        self.bouncing = grew_bounces & queued_bounces
+
+
+@dataclass
 class Ledger:
     acknowledged: dict[str, list[str]] = field(default_factory=dict)  # 250 came back
     cut: dict[str, list[str]] = field(default_factory=dict)  # exchange cut by a fault
@@ -76,6 +118,24 @@ class Ledger:
     refused: dict[str, list[str]] = field(default_factory=dict)  # a clean 4xx: id -> rcpts
     refusals: list[str] = field(default_factory=list)  # the 4xx replies, for the report
     refused_5xx: list[str] = field(default_factory=list)  # must stay empty
+    under_way: dict[str, list[str]] = field(default_factory=dict)  # transactions open now
+    in_data: set[str] = field(default_factory=set)  # of those, past the DATA command
+    kills: list[Kill] = field(default_factory=list)
+
+    def kill_now(self) -> Kill:
+        """Note what is under way; call right before the SIGKILL, in the clients' event loop
+        (so that no client moves between the note and the signal)."""
+        kill = Kill(dict(self.under_way), set(self.in_data))
+        self.kills.append(kill)
+        return kill
+
+    def kills_mid_data(self) -> int:
+        """Kills that cut a message after its DATA command: it never got a reply."""
+        return sum(1 for kill in self.kills if kill.data & self.cut.keys())
+
+    def killed_under_way(self) -> set[str]:
+        """Every message under way at some kill."""
+        return {m for kill in self.kills for m in kill.open}
 
     def expected(self) -> set[tuple[str, str]]:
         """Every (Message-ID, recipient) that got its 250."""
@@ -134,8 +194,10 @@ async def send_until_cut(
             recipients = load.recipients()
             wire, digest = make_message(message_id, recipients, random.choice(load.sizes))
             ledger.digests[message_id] = digest
+            sent = message_id
+            ledger.under_way[sent] = recipients
             try:
-                errors, _reply = await client.sendmail(SENDER, recipients, wire)
+                await transaction(client, ledger, message_id, recipients, wire)
             except aiosmtplib.SMTPResponseException as error:
                 if error.code == 421:  # the server is closing: a cut exchange
                     raise
@@ -148,7 +210,9 @@ async def send_until_cut(
                 message_id = ""
                 await client.rset()
                 continue
-            assert not errors, (message_id, errors)
+            finally:
+                ledger.under_way.pop(sent, None)
+                ledger.in_data.discard(sent)
             ledger.acknowledged[message_id] = recipients
             acknowledged += 1
             message_id = ""
@@ -158,8 +222,31 @@ async def send_until_cut(
         if message_id:
             ledger.cut[message_id] = recipients
     finally:
+        ledger.under_way.pop(message_id, None)
+        ledger.in_data.discard(message_id)
         client.close()
     return acknowledged
+
+
+async def until_data(ledger: Ledger, *, wanted: bool, timeout: float = 3.0) -> None:
+    """When ``wanted``, wait (bounded) until a client has sent DATA and awaits its reply."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while wanted and not ledger.in_data and loop.time() < deadline:
+        await asyncio.sleep(0)  # every turn of the loop: DATA may be open only briefly
+
+
+async def transaction(
+    client: aiosmtplib.SMTP, ledger: Ledger, message_id: str, recipients: list[str], wire: bytes
+) -> None:
+    """MAIL, RCPT and DATA one by one (aiosmtplib's ``sendmail`` does the same, without
+    PIPELINING), so that the ledger knows when the DATA command has gone out.  Any refusal
+    raises (a recipient refused is a refused message: the client sends no DATA)."""
+    await client.mail(SENDER)
+    for recipient in recipients:
+        await client.rcpt(recipient)
+    ledger.in_data.add(message_id)
+    await client.data(wire)
 
 
 async def send_for(
@@ -240,20 +327,61 @@ def parse_copy(data: bytes) -> Copy:
         match = re.search(r"<([^>]*)>", arg)
         recipients.append(match.group(1).lower() if match else arg.strip().lower())
     content = dump.content
-    found = re.search(rb"^Message-ID: (\S+)$", content, re.MULTILINE | re.IGNORECASE)
-    message_id = found.group(1).decode() if found else ""
+    message_id = message_id_of(content)
     start = content.find(f"\nFrom: {SENDER}\n".encode())
     digest = hashlib.sha256(content[start + 1 :]).hexdigest() if start >= 0 else ""
-    bounce_of = []
-    if SENDER in recipients:
-        # The DSN's returned headers carry the original Message-ID (RFC 3464 section 2);
-        # the DSN's own Message-ID pairs with nothing sent and is ignored by the audit.
-        original = re.findall(rb"Message-ID: (<[^>\s]+>)", content, re.IGNORECASE)
-        failed = re.findall(rb"Final-Recipient: rfc822; *(\S+)", content, re.IGNORECASE)
-        for returned in original:
-            if returned.decode() != message_id:
-                bounce_of += [(returned.decode(), r.decode().lower()) for r in failed]
+    bounce_of = reported(content, message_id) if SENDER in recipients else []
     return Copy(message_id, recipients, digest, bounce_of)
+
+
+def message_id_of(content: bytes) -> str:
+    found = MESSAGE_ID.search(content)
+    return found.group(1).decode() if found else ""
+
+
+def reported(dsn: bytes, message_id: str) -> list[Pair]:
+    """The (Message-ID, recipient) pairs a DSN reports.  Its returned headers carry the
+    original Message-ID (RFC 3464 section 2); its own pairs with nothing sent."""
+    original = re.findall(rb"Message-ID: (<[^>\s]+>)", dsn, re.IGNORECASE)
+    failed = re.findall(rb"Final-Recipient: rfc822; *(\S+)", dsn, re.IGNORECASE)
+    return [
+        (returned.decode(), r.decode().lower())
+        for returned in original
+        if returned.decode() != message_id
+        for r in failed
+    ]
+
+
+def queued_pairs(data_dir: Path, scratch: Path) -> tuple[set[Pair], set[Pair]]:
+    """The (Message-ID, recipient) pairs a stopped zoneq's queue still holds, and those its
+    queued DSNs report.  Read from a copy at ``scratch``: opening the queue recovers it, and
+    that is for the next ``zoneq serve`` to do."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(data_dir, scratch, ignore=shutil.ignore_patterns("*.sock", "LOCK"))
+
+    async def read() -> tuple[set[Pair], set[Pair]]:
+        store = QueueStore.open(scratch)
+        store.recover()
+        pairs: set[Pair] = set()
+        bounces: set[Pair] = set()
+        try:
+            ids = {keys.decode_message_key(k)[0] for k in store.database.keys(prefix=keys.MESSAGE)}
+            for msg_id in sorted(ids):
+                try:
+                    queued = [q.recipient.address.lower() for q in store.recipients(msg_id)]
+                except NotFound:
+                    continue  # chunks without a committed head: swept as an orphan
+                head = b"".join(islice(store.body(msg_id), 3))  # headers and DSN fields
+                message_id = message_id_of(head)
+                if SENDER in queued:
+                    bounces.update(reported(head, message_id))
+                pairs.update((message_id, r) for r in queued if r != SENDER)
+        finally:
+            await store.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+        return pairs, bounces
+
+    return asyncio.run(read())
 
 
 def wait_settled(
@@ -306,14 +434,21 @@ class Audit:
     duplicates: Counter[str]  # extra copies per recipient
     bounces: Counter[tuple[str, str]]
     partial: int
+    # Extra copies (and extra DSNs, under the sender's address, which is the DSN's
+    # recipient) per recipient that no kill explains: each needs a logged possible duplicate.
+    unexplained: Counter[str] = field(default_factory=Counter)
+    explained: int = 0  # extra copies and DSNs explained by a delivery in flight at a kill
+    refused_delivered: list[str] = field(default_factory=list)  # 4xx, then delivered anyway
+    refused_under_way: int = 0  # the same, but under way at a kill: allowed
 
     @property
     def duplicate_count(self) -> int:
         return sum(self.duplicates.values())
 
     def unexplained_duplicates(self, logged: Counter[str]) -> dict[str, int]:
-        """Extra copies beyond the possible duplicates the core logged, per recipient."""
-        return {r: n - logged[r] for r, n in self.duplicates.items() if n > logged[r]}
+        """Extra copies and DSNs that neither a kill nor a possible duplicate the core
+        logged explains, per recipient (the sender's address for DSNs)."""
+        return {r: n - logged[r] for r, n in self.unexplained.items() if n > logged[r]}
 
     def problems(self) -> list[str]:
         found = []
@@ -327,13 +462,19 @@ class Audit:
             found.append(f"delivered to a recipient not given: {self.wrong_rcpt[:5]}")
         if self.cut_partly:
             found.append(f"cut messages delivered to some recipients only: {self.cut_partly}")
+        if self.refused_delivered:
+            found.append(
+                f"{len(self.refused_delivered)} message(s) refused with 4xx yet delivered or "
+                f"bounced, not under way at any kill: {self.refused_delivered[:5]}"
+            )
         return found
 
     def summary(self) -> str:
         return (
             f"{len(self.expected)} acknowledged pair(s), {self.copies} copies, "
-            f"{self.duplicate_count} duplicate(s), {sum(self.bounces.values())} bounce report(s)"
-            f", {self.partial} partial dump(s)"
+            f"{self.duplicate_count} duplicate(s) ({self.explained} copies or DSNs in flight "
+            f"at a kill), {sum(self.bounces.values())} bounce report(s), {self.partial} partial "
+            f"dump(s), {self.refused_under_way} refused under way at a kill yet delivered"
         )
 
 
@@ -347,6 +488,20 @@ def audit(ledger: Ledger, dumps: Dumps) -> Audit:
         if n > 1:
             duplicates[recipient] += n - 1
     sent = set(ledger.acknowledged) | set(ledger.cut) | set(ledger.refused)
+    # Each kill explains one extra copy of each pair it caught in flight (and one extra DSN).
+    in_flight = Counter(p for kill in ledger.kills for p in kill.delivering)
+    in_flight_dsn = Counter(p for kill in ledger.kills for p in kill.bouncing)
+    unexplained: Counter[str] = Counter()
+    explained = 0
+    for book, caught, owner in ((delivered, in_flight, None), (bounces, in_flight_dsn, SENDER)):
+        for pair, n in book.items():
+            extra = n - 1
+            explained += min(extra, caught[pair]) if extra > 0 else 0
+            if extra > caught[pair]:
+                unexplained[owner or pair[1]] += extra - caught[pair]
+    landed = {m for m, _ in delivered} | {m for m, _ in bounced}
+    refused_landed = sorted(set(ledger.refused) & landed)
+    under_way = ledger.killed_under_way()
     return Audit(
         expected=expected,
         missing=sorted(expected - set(delivered) - bounced),
@@ -366,4 +521,8 @@ def audit(ledger: Ledger, dumps: Dumps) -> Audit:
         duplicates=duplicates,
         bounces=bounces,
         partial=dumps.partial,
+        unexplained=unexplained,
+        explained=explained,
+        refused_delivered=[m for m in refused_landed if m not in under_way],
+        refused_under_way=sum(1 for m in refused_landed if m in under_way),
     )
