@@ -16,8 +16,13 @@ Prints, in one run (figures depend on the machine; compare the ratio):
    The queue is then opened after ``zoneq serve`` has stopped and its messages counted: a
    250 counts only if its message is there.
 2. The p99 (and p50, max) time from sending the final dot to reading the 250, measured by
-   a small client of this module: ``--latency-messages`` messages in sequence over one
-   connection, nothing else running.
+   a small client of this module, twice: "idle", ``--latency-messages`` messages in
+   sequence over one connection, nothing else running; and "loaded", ``--load-clients``
+   extra sessions of that client timing each of their messages while smtp-source's
+   sessions run (they stop when smtp-source ends).  With group commit the loaded figure is
+   the one that matters: a 250 waits for the sync of a group that other sessions fill.
+   (The loaded clients add their sessions to smtp-source's; accepts/s counts
+   smtp-source's messages only.)
 3. Postfix (Debian's package; installed with apt-get if missing, it does not start by
    itself): a throwaway instance with its own configuration, queue and data directories
    under the temporary directory, smtpd alone on a free port of 127.0.0.1, and the same two
@@ -36,8 +41,8 @@ default the repository's ``.testbed``) exits with status 77.  Must run as root (
 Every process started is stopped by its PID; Postfix with ``postfix -c DIR stop``.
 
     python tools/bench/accept_bench.py [--messages 10000] [--sessions 10]
-        [--latency-messages 500] [--receivers 0,1,2,3] [--rounds 1] [--timeout 300]
-        [--json PATH]
+        [--latency-messages 500] [--load-clients 2] [--receivers 0,1,2,3] [--rounds 1]
+        [--timeout 300] [--json PATH]
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -224,11 +230,29 @@ def thread_cpu_seconds(root: int) -> dict[tuple[int, int], float]:
     return out
 
 
-def run_measured(name: str, server_pid: int | None, port: int, args: argparse.Namespace) -> Phase:
-    """``run_smtp_source``, with the CPU the server's process tree used meanwhile."""
+def run_measured(
+    name: str, server_pid: int | None, port: int, args: argparse.Namespace
+) -> tuple[Phase, Phase]:
+    """``run_smtp_source``, with the CPU the server's process tree used meanwhile, and the
+    end of DATA -> 250 times of ``--load-clients`` timed sessions running alongside."""
+    server = name.split(maxsplit=1)[0]
+    loaded = Phase(f"{server} loaded", 0)
+    stop = threading.Event()
+    timed = [Phase(f"{server} loaded {n}", args.messages) for n in range(args.load_clients)]
+    clients = [
+        threading.Thread(target=time_messages, args=(p, port, args.timeout, stop), daemon=True)
+        for p in timed
+    ]
     before = tree_cpu_seconds(server_pid) if server_pid is not None else 0.0
     threads = thread_cpu_seconds(server_pid) if server_pid is not None else {}
-    phase = run_smtp_source(name, port, args.messages, args.sessions, args.timeout)
+    for client in clients:
+        client.start()
+    try:
+        phase = run_smtp_source(name, port, args.messages, args.sessions, args.timeout)
+    finally:
+        stop.set()
+        for client in clients:
+            client.join(IO_TIMEOUT_S * 2)  # each stops at its next message (socket timeouts)
     if server_pid is not None:
         phase.cpu_seconds = tree_cpu_seconds(server_pid) - before
         after = thread_cpu_seconds(server_pid)
@@ -237,7 +261,14 @@ def run_measured(name: str, server_pid: int | None, port: int, args: argparse.Na
             busiest = max(used, key=used.__getitem__)
             phase.busiest_thread_seconds = used[busiest]
             phase.busiest_thread = process_name(busiest[0])
-    return phase
+    for one in timed:
+        loaded.expected += one.accepted
+        loaded.accepted += one.accepted
+        loaded.latencies_ms += one.latencies_ms
+        loaded.seconds = max(loaded.seconds, one.seconds)
+        loaded.note = "; ".join(n for n in (loaded.note, one.note) if n)
+    loaded.complete = bool(timed) and not any(c.is_alive() for c in clients) and not loaded.note
+    return phase, loaded
 
 
 def process_name(pid: int) -> str:
@@ -325,6 +356,16 @@ class _Client:
 def run_latency(name: str, port: int, messages: int, timeout: float) -> Phase:
     """``messages`` in sequence over one connection: the time from the final dot to 250."""
     phase = Phase(name, messages)
+    time_messages(phase, port, timeout)
+    return phase
+
+
+def time_messages(
+    phase: Phase, port: int, timeout: float, stop: threading.Event | None = None
+) -> None:
+    """Up to ``phase.expected`` messages in sequence over one connection (until ``stop`` is
+    set, if given), each timed from the final dot to its 250, into ``phase``."""
+    messages = phase.expected
     body = message_body()
     deadline = time.monotonic() + timeout
     started = time.perf_counter()
@@ -336,6 +377,9 @@ def run_latency(name: str, port: int, messages: int, timeout: float) -> Phase:
             raise RuntimeError(f"greeting: {said}")
         client.command("EHLO bench.src.test", 250)
         for _ in range(messages):
+            if stop is not None and stop.is_set():
+                phase.complete = True
+                break
             if time.monotonic() > deadline:
                 phase.note = f"timed out after {timeout:.0f} s"
                 break
@@ -359,7 +403,6 @@ def run_latency(name: str, port: int, messages: int, timeout: float) -> Phase:
         if client is not None:
             client.close()
     phase.seconds = time.perf_counter() - started
-    return phase
 
 
 # --- zoneq -------------------------------------------------------------------------------
@@ -431,10 +474,14 @@ def stop_serve(serve: Serve) -> str:
     return note
 
 
-def bench_zoneq(args: argparse.Namespace, directory: Path, receivers: int) -> tuple[Phase, Phase]:
+Result = tuple[Phase, Phase, Phase]  # the smtp-source load, idle latency, loaded latency
+
+
+def bench_zoneq(args: argparse.Namespace, directory: Path, receivers: int) -> Result:
     directory.mkdir()
     load = Phase(f"zoneq rx={receivers}", args.messages)
     latency = Phase("zoneq latency", args.latency_messages)
+    loaded = Phase("zoneq loaded", 0)
     # A name server that never answers: the workers' one lookup waits, nothing is delivered.
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent_dns:
         silent_dns.bind(("127.0.0.1", 0))
@@ -446,7 +493,7 @@ def bench_zoneq(args: argparse.Namespace, directory: Path, receivers: int) -> tu
             serve.wait_ready(expected_workers=2 + receivers, timeout=START_TIMEOUT_S)
             if not wait_listening(port, time.monotonic() + START_TIMEOUT_S):
                 raise RuntimeError(f"zoneq serve is not listening on {port}")
-            load = run_measured(load.name, serve.pid, port, args)
+            load, loaded = run_measured(load.name, serve.pid, port, args)
             latency = run_latency("zoneq latency", port, args.latency_messages, args.timeout)
         except RuntimeError as exc:
             load.note = load.note or str(exc)[:300]
@@ -457,11 +504,11 @@ def bench_zoneq(args: argparse.Namespace, directory: Path, receivers: int) -> tu
     if not serve.running():
         try:
             stored, events = count_zoneq_queue(config)
-            load.stored = stored - latency.accepted
+            load.stored = stored - latency.accepted - loaded.accepted
             load.delivery_events = events
         except Exception as exc:  # reported, not fatal
             load.note = f"{load.note}; queue not counted: {exc}".strip("; ")
-    return load, latency
+    return load, latency, loaded
 
 
 # --- Postfix -----------------------------------------------------------------------------
@@ -566,16 +613,17 @@ def count_postfix_queue(config_dir: Path) -> int:
     return total
 
 
-def bench_postfix(args: argparse.Namespace, directory: Path) -> tuple[Phase, Phase]:
+def bench_postfix(args: argparse.Namespace, directory: Path) -> Result:
     load = Phase("postfix accept", args.messages)
     latency = Phase("postfix latency", args.latency_messages)
+    loaded = Phase("postfix loaded", 0)
     try:
         ensure_postfix()
         port = free_port()
         config_dir = setup_postfix(directory, port)
     except (subprocess.SubprocessError, OSError, LookupError) as exc:
         load.note = f"postfix not set up: {exc}"[:300]
-        return load, latency
+        return load, latency, loaded
     master_pid: int | None = None
     try:
         subprocess.run(
@@ -587,7 +635,7 @@ def bench_postfix(args: argparse.Namespace, directory: Path) -> tuple[Phase, Pha
         master_pid = postfix_master_pid(config_dir)
         if not wait_listening(port, time.monotonic() + START_TIMEOUT_S):
             raise RuntimeError(f"postfix is not listening on {port}")
-        load = run_measured("postfix accept", master_pid, port, args)
+        load, loaded = run_measured("postfix accept", master_pid, port, args)
         latency = run_latency("postfix latency", port, args.latency_messages, args.timeout)
     except (subprocess.SubprocessError, RuntimeError) as exc:
         load.note = load.note or str(exc)[:300]
@@ -595,8 +643,8 @@ def bench_postfix(args: argparse.Namespace, directory: Path) -> tuple[Phase, Pha
         note = stop_postfix(config_dir, master_pid)
         if note:
             load.note = f"{load.note}; {note}".strip("; ")
-    load.stored = count_postfix_queue(config_dir) - latency.accepted
-    return load, latency
+    load.stored = count_postfix_queue(config_dir) - latency.accepted - loaded.accepted
+    return load, latency, loaded
 
 
 # --- the run -----------------------------------------------------------------------------
@@ -610,40 +658,49 @@ def load_average() -> str:
     return "?"
 
 
+def latency_columns(phase: Phase) -> str:
+    """p50, p99 and max of ``phase``'s end of DATA -> 250 times, 9 columns each."""
+    if not phase.latencies_ms:
+        return f"{'-':>9}{'-':>9}{'-':>9}"
+    return (
+        f"{phase.percentile(0.5):>9.2f}{phase.percentile(0.99):>9.2f}"
+        f"{max(phase.latencies_ms):>9.2f}"
+    )
+
+
 def table(
     args: argparse.Namespace,
-    zoneqs: list[tuple[Phase, Phase]],
-    postfix: tuple[Phase, Phase],
+    zoneqs: list[Result],
+    postfix: Result,
     loads: tuple[str, str],
 ) -> str:
-    pf, pl = postfix
+    pf, pl, pu = postfix
     rows = [
         f"CPUs: {os.cpu_count()}; load average {loads[0]} at the start, {loads[1]} at the "
         f"end; smtp-source sessions: {args.sessions}; messages: "
-        f"{args.messages} x {MESSAGE_SIZE} B; latency: {args.latency_messages} sequential "
-        "messages on one connection",
+        f"{args.messages} x {MESSAGE_SIZE} B; end of DATA -> 250, idle: "
+        f"{args.latency_messages} sequential messages on one connection, nothing else "
+        f"running; loaded: {args.load_clients} timed session(s) beside smtp-source's",
+        f"{'':<18}{'':>13}{'':>8}{'':>9}{'':>12}{'':>11}{'':>9}"
+        f"{'idle: end of DATA -> 250':>27}{'loaded: end of DATA -> 250':>33}",
         f"{'phase':<18}{'accepted':>13}{'stored':>8}{'seconds':>9}{'per second':>12}"
-        f"{'CPU ms/msg':>11}{'1 thread':>9}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}  note",
+        f"{'CPU ms/msg':>11}{'1 thread':>9}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}"
+        f"{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}  note",
     ]
-    for load, lat in [*zoneqs, postfix]:
+    for load, lat, loaded in [*zoneqs, postfix]:
         label = load.name.replace(" accept", "")
         stored = str(load.stored) if load.stored >= 0 else "-"
-        if lat.latencies_ms:
-            lat_cols = (
-                f"{lat.percentile(0.5):>9.2f}{lat.percentile(0.99):>9.2f}"
-                f"{max(lat.latencies_ms):>9.2f}"
-            )
-        else:
-            lat_cols = f"{'-':>9}{'-':>9}{'-':>9}"
         busiest = f"1 thread of {load.busiest_thread}" if load.busiest_thread else ""
-        notes = "; ".join(n for n in (load.note, lat.note, busiest) if n)
+        notes = "; ".join(n for n in (load.note, lat.note, loaded.note, busiest) if n)
         cpu = f"{load.cpu_ms_per_message:.3f}" if load.cpu_seconds >= 0 else "-"
         one = f"{load.busiest_ms_per_message:.3f}" if load.busiest_thread_seconds >= 0 else "-"
         rows.append(
             f"{label:<18}{f'{load.accepted}/{load.expected}':>13}{stored:>8}"
-            f"{load.seconds:>9.2f}{load.rate:>12.0f}{cpu:>11}{one:>9}{lat_cols}  {notes}".rstrip()
+            f"{load.seconds:>9.2f}{load.rate:>12.0f}{cpu:>11}{one:>9}{latency_columns(lat)}"
+            f"{loaded.accepted:>6}{latency_columns(loaded)}"
+            f"  {notes}".rstrip()
         )
-    events = ", ".join(str(zq.delivery_events) for zq, _ in zoneqs)
+    events = ", ".join(str(zq.delivery_events) for zq, _, _ in zoneqs)
     rows.append(
         f"  zoneq: {events} delivery event(s) logged during the run(s) (workers idle on a "
         "silent name server); 'stored': messages found in the queue afterwards; rx=N: "
@@ -651,14 +708,15 @@ def table(
         "busiest thread, whose 1000/x is the most that layout can accept per second with "
         "cores to spare"
     )
-    for zq, zl in zoneqs:
+    for zq, zl, zu in zoneqs:
         ratio = zq.rate / pf.rate if pf.rate else 0.0
-        ok = all(p.complete for p in (zq, zl, pf, pl))
+        ok = all(p.complete for p in (zq, zl, zu, pf, pl, pu))
         verdict = "result:" if ok else "result: INCOMPLETE"
         rows.append(
             f"{verdict} {zq.name} {zq.rate:.0f} accepts/s = {ratio:.2f} x Postfix "
-            f"{pf.rate:.0f} accepts/s (goal 2.00 x); p99 end of DATA -> 250: "
-            f"{zl.percentile(0.99):.2f} ms vs {pl.percentile(0.99):.2f} ms; CPU per message: "
+            f"{pf.rate:.0f} accepts/s (goal 2.00 x); p99 end of DATA -> 250 idle: "
+            f"{zl.percentile(0.99):.2f} ms vs {pl.percentile(0.99):.2f} ms, under load: "
+            f"{zu.percentile(0.99):.2f} ms vs {pu.percentile(0.99):.2f} ms; CPU per message: "
             f"{zq.cpu_ms_per_message:.3f} ms vs {pf.cpu_ms_per_message:.3f} ms"
         )
     return "\n".join(rows)
@@ -672,6 +730,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--latency-messages", type=int, default=500, help="sequential messages timed"
     )
     parser.add_argument(
+        "--load-clients",
+        type=int,
+        default=2,
+        help="timed sessions beside smtp-source's, each timing every message it sends",
+    )
+    parser.add_argument(
         "--receivers",
         type=lambda text: [int(n) for n in text.split(",")],
         default=[0],
@@ -681,7 +745,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per phase")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
-    for name in ("messages", "sessions", "latency_messages", "rounds"):
+    for name in ("messages", "sessions", "latency_messages", "load_clients", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if any(not 0 <= n <= 64 for n in args.receivers):
@@ -719,10 +783,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.rounds > 1:
             print(f"round {round_no + 1} of {args.rounds}")
         print(table(args, zoneqs, postfix, loads))
-        for zq, _ in zoneqs:
+        for zq, _, _ in zoneqs:
             ratio = zq.rate / postfix[0].rate if postfix[0].rate else 0.0
             ratios.setdefault(zq.name, []).append(ratio)
-        round_phases = [phase for pair in [*zoneqs, postfix] for phase in pair]
+        round_phases = [phase for result in [*zoneqs, postfix] for phase in result]
         phases += round_phases
         report.append({"load_average": loads, "phases": [p.summary() for p in round_phases]})
     if args.rounds > 1:
