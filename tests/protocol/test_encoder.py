@@ -16,8 +16,9 @@ from zoneq.protocol.encoder import DotStuffer, _fits, dot_stuff, dot_unstuff
 
 
 def ref_normalise(body: bytes) -> bytes:
-    """Every line ending -> CRLF; a CRLF appended if the (non-empty) body lacks one."""
-    text = re.sub(rb"\r\n|\r|\n", b"\r\n", body)
+    """NULs dropped, every line ending -> CRLF; a CRLF appended if the (non-empty) body
+    lacks one."""
+    text = re.sub(rb"\r\n|\r|\n", b"\r\n", body.replace(b"\x00", b""))
     return text if text == b"" or text.endswith(b"\r\n") else text + b"\r\n"
 
 
@@ -78,9 +79,16 @@ CASES: list[tuple[str, list[bytes], int, bytes]] = [
     ("smuggle-crlf.lf", [b"a\r\n.\nb"], 998, b"a\r\n..\r\nb\r\n.\r\n"),
     ("smuggle-lf.cr", [b"a\n.\rb"], 998, b"a\r\n..\r\nb\r\n.\r\n"),
     ("smuggle-split", [b"a\n", b".", b"\nb"], 998, b"a\r\n..\r\nb\r\n.\r\n"),
-    ("smuggle-nul-before-dot", [b"a\r\n\x00.\r\nb"], 998, b"a\r\n\x00.\r\nb\r\n.\r\n"),
-    ("smuggle-nul-after-dot", [b"a\r\n.\x00\r\nb"], 998, b"a\r\n..\x00\r\nb\r\n.\r\n"),
-    ("smuggle-lf.nul-lf", [b"a\n.\x00\nb"], 998, b"a\r\n..\x00\r\nb\r\n.\r\n"),
+    # ... and the NUL variants: NULs are dropped, then the dot line is stuffed
+    ("smuggle-nul-before-dot", [b"a\r\n\x00.\r\nb"], 998, b"a\r\n..\r\nb\r\n.\r\n"),
+    ("smuggle-nuls-before-dot", [b"a\r\n\x00\x00.\r\nb"], 998, b"a\r\n..\r\nb\r\n.\r\n"),
+    ("smuggle-nul|dot", [b"a\r\n\x00", b".\r\nb"], 998, b"a\r\n..\r\nb\r\n.\r\n"),
+    ("smuggle-nul-after-dot", [b"a\r\n.\x00\r\nb"], 998, b"a\r\n..\r\nb\r\n.\r\n"),
+    ("smuggle-nul-before-crlf", [b"a\x00\r\n.\r\nb"], 998, b"a\r\n..\r\nb\r\n.\r\n"),
+    ("smuggle-mid-line-nul-dot", [b"a\x00.\r\nb"], 998, b"a.\r\nb\r\n.\r\n"),
+    ("smuggle-lf.nul-lf", [b"a\n.\x00\nb"], 998, b"a\r\n..\r\nb\r\n.\r\n"),
+    ("cr|nul|lf", [b"a\r", b"\x00", b"\nb"], 998, b"a\r\nb\r\n.\r\n"),
+    ("only-nuls", [b"\x00\x00"], 998, b".\r\n"),
     # empty body, missing final line ending
     ("empty-no-chunks", [], 998, b".\r\n"),
     ("empty-chunk", [b""], 998, b".\r\n"),
@@ -246,6 +254,29 @@ def test_properties(case: tuple[bytes, list[bytes]], limit: int) -> None:
     # (5) with folding on, no line on the wire (doubled dot included) exceeds the limit
     if limit:
         assert all(len(line) <= limit for line in wire_lines(wire))
+
+
+SMUGGLE_WORDS = st.lists(
+    st.sampled_from([b"\r\n", b"\r", b"\n", b".", b"\x00", b"a"]), max_size=40
+).map(b"".join)
+# What a lax receiver could take for the end of data: a line of NULs and one dot, with any
+# line ending (the 2023 smuggling research); also the strict end, CRLF "." CRLF.
+LAX_END = re.compile(rb"(?:\r\n|\r|\n)\x00*\.\x00*(?:\r\n|\r|\n)")
+
+
+@settings(max_examples=400)
+@given(st.one_of(SMUGGLE_WORDS, st.binary(max_size=200)), st.lists(st.integers(0, 200)))
+def test_no_end_of_data_before_the_terminator(body: bytes, cuts: list[int]) -> None:
+    """Whatever the body, the payload holds no end of data, strict or lax, but its own."""
+    bounds = [0, *sorted(c % (len(body) + 1) for c in cuts), len(body)]
+    wire = encode([body[a:b] for a, b in itertools.pairwise(bounds)])
+    before = wire[: -len(b".\r\n")]
+    assert b"\r\n.\r\n" not in b"\r\n" + before
+    assert LAX_END.search(b"\r\n" + before) is None
+    for line in before.split(b"\r\n"):
+        # No line starts with NULs and then a single dot (NULs never reach the wire at all).
+        assert not line.lstrip(b"\x00").startswith(b".") or line.startswith(b"..")
+    assert b"\x00" not in wire
 
 
 @given(chunked())

@@ -445,6 +445,134 @@ def test_long_line_rest_is_discarded_not_executed() -> None:
     assert out == ["500 5.5.2", "250 2.0.0"]
 
 
+# RFC 5321 4.5.3.1.4 lets extensions lengthen a command line: MAIL by SIZE (RFC 1870), BODY
+# (RFC 6152), SMTPUTF8 (RFC 6531), ENVID and RET (RFC 3461); RCPT by NOTIFY and ORCPT (3461).
+def padded(prefix: bytes, total: int) -> bytes:
+    """``prefix`` with a NOOP-safe filler parameter making the line ``total`` octets."""
+    return prefix + b"x" * (total - len(prefix) - 2) + b"\r\n"
+
+
+LONG_ADDRESS = b"l" * 64 + b"@" + b"d" * 184 + b".test"  # 254 octets, the most in a path
+DSN_RCPT = (
+    b"RCPT TO:<" + LONG_ADDRESS + b"> NOTIFY=SUCCESS,FAILURE,DELAY ORCPT=rfc822;" + LONG_ADDRESS
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "line", "expected"),
+    [
+        ("rcpt with full DSN, 563", DSN_RCPT + b"\r\n", "250 2.1.5"),
+        ("rcpt at 1012", padded(b"RCPT TO:<a@b.test> ORCPT=rfc822;", 1012), "501 5.5.4"),
+        ("rcpt over 1012", padded(b"RCPT TO:<a@b.test> ORCPT=rfc822;", 1013), "500 5.5.2"),
+        ("rcpt lower case at 1012", padded(b"rcpt to:<a@b.test> ORCPT=rfc822;", 1012), "501 5.5.4"),
+        ("mail at 663", padded(b"MAIL FROM:<a@b.test> ENVID=", 663), "501 5.5.4"),
+        ("mail over 663", padded(b"MAIL FROM:<a@b.test> ENVID=", 664), "500 5.5.2"),
+        ("noop at 512", padded(b"NOOP ", 512), "250 2.0.0"),
+        ("noop over 512", padded(b"NOOP ", 513), "500 5.5.2"),
+        ("vrfy over 512", padded(b"VRFY ", 513), "500 5.5.2"),
+        ("rcpt verb without space", padded(b"RCPTX", 600), "500 5.5.2"),
+    ],
+)
+def test_mail_and_rcpt_lines_may_be_longer(name: str, line: bytes, expected: str) -> None:
+    # A line over the limit is refused before it is parsed (500); one within it is parsed,
+    # and the filler (too long for ENVID's 100 and ORCPT's 500 characters) is then a 501.
+    data = EHLO + (MAIL if line.upper().startswith(b"RCPT") else b"") + line + b"NOOP\r\n"
+    out = session(data)
+    assert out[-2:] == [expected, "250 2.0.0"], name
+    assert drive([bytes([b]) for b in data])[1] == session(data)  # byte by byte, the same
+
+
+def test_full_dsn_rcpt_parameters_arrive() -> None:
+    events, _ = drive([EHLO + MAIL + DSN_RCPT + b"\r\n"])
+    (rcpt,) = [e for e in events if isinstance(e, RcptTo)]
+    assert len(DSN_RCPT) + 2 == 563
+    assert rcpt.address == LONG_ADDRESS.decode()
+    assert rcpt.orcpt == "rfc822;" + LONG_ADDRESS.decode()
+
+
+# --- the error limit (Postfix's smtpd_hard_error_limit) ------------------------------------
+
+RELAY_DENIED = Reply(554, ("Relay access denied",), EnhancedStatus(5, 7, 1))
+
+
+def deny_rcpts(event: Event) -> Reply | None:
+    return RELAY_DENIED if isinstance(event, RcptTo) else None
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "policy", "max_errors", "expected"),
+    [
+        ("bad commands", b"BOGUS\r\n" * 5, accept_all, 3, ["500 5.5.2"] * 3 + ["421 4.7.0"]),
+        (
+            "just under",
+            b"BOGUS\r\n" * 2 + b"NOOP\r\n",
+            accept_all,
+            3,
+            ["500 5.5.2"] * 2 + ["250 2.0.0"],
+        ),
+        ("limit of one", b"BOGUS\r\nNOOP\r\n", accept_all, 1, ["500 5.5.2", "421 4.7.0"]),
+        (
+            "harvesting",
+            EHLO + MAIL + b"".join(b"RCPT TO:<u%d@victim.test>\r\n" % i for i in range(9)),
+            deny_rcpts,
+            4,
+            ["250", "250 2.1.0"] + ["554 5.7.1"] * 4 + ["421 4.7.0"],
+        ),
+        (
+            "mixed kinds",
+            EHLO + b"DATA\r\nRCPT TO:<a@b>\r\n" + b"x" * 600 + b"\r\nNOOP\r\n",
+            accept_all,
+            3,
+            ["250", "503 5.5.1", "503 5.5.1", "500 5.5.2", "421 4.7.0"],
+        ),
+        (
+            "over-long lines",
+            b"NOOP " + b"x" * 2000 + b"\r\nNOOP " + b"y" * 2000,
+            accept_all,
+            2,
+            ["500 5.5.2", "500 5.5.2", "421 4.7.0"],
+        ),
+        ("positive replies do not count", b"NOOP\r\n" * 30, accept_all, 2, ["250 2.0.0"] * 30),
+    ],
+)
+def test_error_limit_closes_with_421(
+    name: str, data: bytes, policy: Policy, max_errors: int, expected: list[str]
+) -> None:
+    conn = make(max_errors=max_errors)
+    events, out = drive([data], policy, conn)
+    assert out == expected, name
+    assert conn.closed == (expected[-1] == "421 4.7.0")
+    assert conn.receive(b"NOOP\r\n") == [] or not conn.closed
+    # The same fed byte by byte.
+    assert drive([bytes([b]) for b in data], policy, make(max_errors=max_errors)) == (events, out)
+
+
+def test_a_delivered_message_starts_the_error_count_again() -> None:
+    bad = b"BOGUS\r\n" * 2
+    tx = MAIL + RCPT + b"DATA\r\nhi\r\n.\r\n"
+    conn = make(max_errors=3)
+    _, out = drive([EHLO + bad + tx + bad + b"NOOP\r\n"], conn=conn)
+    errors = ["500 5.5.2", "500 5.5.2"]
+    assert out == [
+        "250",
+        *errors,
+        "250 2.1.0",
+        "250 2.1.5",
+        "354",
+        "250 2.0.0",
+        *errors,
+        "250 2.0.0",
+    ]
+    assert not conn.closed
+    # A refused message is an error, and does not reset the count.
+    conn = make(max_errors=3)
+    _, out = drive(
+        [EHLO + bad + tx], lambda e: RELAY_DENIED if isinstance(e, DataEnd) else None, conn
+    )
+    assert out[-2:] == ["554 5.7.1", "421 4.7.0"]
+    assert conn.closed
+
+
 def test_custom_command_line_limit() -> None:
     assert session(b"NOOP 1234\r\n", max_command_line=10) == ["500 5.5.2"]
     assert session(b"NOOP 123\r\n", max_command_line=10) == ["250 2.0.0"]
@@ -534,7 +662,12 @@ SMUGGLING = [
     b"\n.\x00\n",
     b"\x00\n.\n",
     b"\r\n.\r",
+    b"\r\n\x00.\r\n",
+    b"\r\n.\x00\r\n",
 ]
+# A NUL before a real end (SEC Consult's ``\x00<CR><LF>.<CR><LF>``): that dot does end DATA,
+# and the message before it is refused; what follows is the client's own next commands.
+NUL_BEFORE_END = b"\x00\r\n.\r\n"
 
 
 @pytest.mark.parametrize("end", SMUGGLING)
@@ -553,9 +686,40 @@ def test_smuggling_sequence_does_not_end_data(end: bytes) -> None:
     assert drive([bytes([b]) for b in TX + body + b"QUIT\r\n"]) == (events, out)
 
 
-def test_nul_line_is_text_not_an_end() -> None:
-    events, _ = message(b"a\r\n.\x00\r\nb\r\n.\r\n")
-    assert body_events(events) == [DataChunk(b"a\r\n\x00\r\nb\r\n"), DataEnd()]
+def test_nul_before_a_real_end_refuses_the_message() -> None:
+    smuggled = b"MAIL FROM:<evil@x>\r\nRCPT TO:<victim@y>\r\nDATA\r\nforged\r\n"
+    events, out = message(b"legit" + NUL_BEFORE_END + smuggled + b".\r\n")
+    ends = [e for e in events if isinstance(e, DataEnd)]
+    assert ends == [DataEnd(rejected=NUL_REFUSED), DataEnd()]  # only the second is decided
+    assert out == [
+        *TX_REPLIES,
+        "554 5.6.0",
+        "250 2.1.0",
+        "250 2.1.5",
+        "354",
+        "250 2.0.0",
+        "221 2.0.0",
+    ]
+
+
+NUL_REFUSED = Reply(554, ("NUL octet not allowed in message data",), EnhancedStatus(5, 6, 0))
+
+
+@pytest.mark.parametrize(
+    ("body", "before"),
+    [
+        (b"a\r\n.\x00\r\nb\r\n", b"a\r\n"),  # the stuffed dot goes, the NUL stops it
+        (b"a\r\n\x00.\r\nb\r\n", b"a\r\n"),
+        (b"abc\x00def\r\n", b"abc"),
+        (b"\x00\r\n", b""),
+        (b"x" * 100 + b"\r\n" + b"y\x00" * 50 + b"\r\n", b"x" * 100 + b"\r\ny"),
+    ],
+)
+def test_nul_in_data_is_refused_at_the_real_dot(body: bytes, before: bytes) -> None:
+    events, out = message(body + b".\r\n")
+    expected = [DataChunk(before)] if before else []
+    assert body_events(events) == [*expected, DataEnd(rejected=NUL_REFUSED)]
+    assert out[-2:] == ["554 5.6.0", "221 2.0.0"]  # in step: QUIT after the dot is read
 
 
 def test_bare_newline_chunks_stop_at_the_fault() -> None:
@@ -698,9 +862,7 @@ def test_whole_lines_fast_path_equals_byte_by_byte(
 
 @settings(max_examples=200, deadline=None)
 @given(
-    lines=st.lists(
-        st.binary(max_size=40).filter(lambda b: b"\r" not in b and b"\n" not in b), max_size=8
-    )
+    lines=st.lists(st.binary(max_size=40).filter(lambda b: not {13, 10, 0} & set(b)), max_size=8)
 )
 def test_clean_body_round_trips_through_dot_stuffing(lines: list[bytes]) -> None:
     text = b"".join(line + b"\r\n" for line in lines)

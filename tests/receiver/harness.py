@@ -88,6 +88,19 @@ class Raw:
         reader, writer = await asyncio.open_connection(host, port, local_addr=local)
         return cls(reader, writer)
 
+    @classmethod
+    async def greeted(cls, port: int) -> Raw:
+        """Connected to ``port``, the greeting read and EHLO answered."""
+        raw = await cls.connect(port)
+        assert (await raw.reply()).startswith("220 ")
+        assert (await raw.cmd("EHLO client.test")).startswith("250")
+        return raw
+
+    async def quit(self) -> None:
+        """QUIT, expected to be answered 221, then close."""
+        assert (await self.cmd("QUIT")).startswith("221")
+        await self.close()
+
     async def start_tls(self, context: ssl.SSLContext, server_hostname: str) -> None:
         """The client side of STARTTLS, after the server's 220."""
         await self.writer.start_tls(context, server_hostname=server_hostname)
@@ -147,6 +160,22 @@ async def nothing_left(store: QueueStore) -> None:
     await store.sweep(T0 + 3_600_000, 1)
     await store.drain()
     assert leftovers(store) == []
+
+
+async def only_messages(store: QueueStore, *msg_ids: int) -> None:
+    """Wait (bounded) for abandons to land, then sweep: the messages on disk are exactly
+    ``msg_ids`` (a refused message left nothing) and none is still being received."""
+    found: set[int] = set()
+    for _ in range(200):
+        await store.drain()
+        found = {keys.decode_message_key(k)[0] for k in store.database.keys(prefix=keys.MESSAGE)}
+        if found == set(msg_ids):
+            break
+        await asyncio.sleep(0.02)
+    await store.sweep(T0 + 3_600_000, 1)
+    await store.drain()
+    assert found == set(msg_ids)
+    assert list(store.database.keys(prefix=keys.RECEIVING)) == []
 
 
 MESSAGE = (

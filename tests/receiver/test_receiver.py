@@ -22,6 +22,7 @@ from tests.receiver.harness import (
     Raw,
     leftovers,
     nothing_left,
+    only_messages,
     queued_id,
     run,
     split_received,
@@ -197,7 +198,11 @@ def test_undeclared_oversize_message_is_refused_after_data(tmp_path: Path) -> No
 # --- smuggling ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sequence", [b"\n.\n", b"\n.\r\n", b"\r.\r", b"\r\n.\n"])
+# The 2023 research's sequences, the NUL variants (SEC Consult) included.
+@pytest.mark.parametrize(
+    "sequence",
+    [b"\n.\n", b"\n.\r\n", b"\r.\r", b"\r\n.\n", b"\r\n\x00.\r\n", b"\r\n.\x00\r\n"],
+)
 def test_smuggling_sequences_never_end_data(tmp_path: Path, sequence: bytes) -> None:
     async def body(rx: SmtpReceiver, store: QueueStore) -> None:
         raw = await Raw.connect(rx.port)
@@ -213,6 +218,26 @@ def test_smuggling_sequences_never_end_data(tmp_path: Path, sequence: bytes) -> 
         assert await raw.reply() == ""
         await raw.close()
         await nothing_left(store)
+
+    run(tmp_path, body)
+
+
+def test_nul_before_a_real_end_refuses_that_message(tmp_path: Path) -> None:
+    """``NUL <CR><LF>.<CR><LF>`` does end DATA here (it holds CRLF "." CRLF): the message
+    before it is refused with nothing stored; what follows is the client's own commands."""
+
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.connect(rx.port)
+        await raw.start()
+        after = b"MAIL FROM:<c@d.test>\r\nRCPT TO:<a@b.test>\r\nDATA\r\nnext\r\n.\r\nQUIT\r\n"
+        await raw.send(b"Subject: outer\r\n\r\nhello\x00\r\n.\r\n" + after)
+        assert (await raw.reply()).startswith("554 5.6.0 NUL")
+        assert [(await raw.reply())[:3] for _ in range(3)] == ["250", "250", "354"]
+        second = queued_id(await raw.reply())
+        assert (await raw.reply()).startswith("221")
+        await raw.close()
+        assert split_received(stored_body(store, second))[1] == b"next\r\n"
+        await only_messages(store, second)
 
     run(tmp_path, body)
 

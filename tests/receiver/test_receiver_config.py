@@ -75,3 +75,27 @@ def test_processes_is_checked_and_defaults_to_the_core(
     else:
         assert found == []
         assert load_config(tmp_path / "zones.toml").receiver.processes == loads
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ('postmaster = "hostmaster@admin.test"', None),
+        ('postmaster = "postmaster"', "receiver.postmaster"),
+        ('postmaster = "a b@c.test"', "receiver.postmaster"),
+        ('postmaster = "<a@c.test>"', "receiver.postmaster"),
+        ('postmaster = "a@"', "receiver.postmaster"),
+        ("max_errors = 1", None),
+        ("max_errors = 0", "receiver.max_errors"),
+    ],
+)
+def test_postmaster_and_max_errors_are_checked(
+    tmp_path: Path, line: str, problem: str | None
+) -> None:
+    defaults = load_config(None).receiver
+    assert (defaults.postmaster, defaults.max_errors) == (None, 20)
+    found = problems(tmp_path, line + "\n")
+    if problem is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and found[0].startswith(problem), found

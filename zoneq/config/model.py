@@ -348,6 +348,15 @@ def _check_password_hash(value: str) -> str:
     return value
 
 
+def _check_postmaster(value: str) -> str:
+    """An address to deliver ``<Postmaster>`` to: local@domain, no spaces or controls."""
+    local, at, domain = value.rpartition("@")
+    if not at or not local or not domain or any(c <= " " or c in "<>" for c in value):
+        reason = "must be an address like admin@example.org"
+        raise PydanticCustomError("postmaster", "{reason}", {"reason": reason})
+    return value
+
+
 def _same_listener(one: tuple[str, int], other: tuple[str, int]) -> bool:
     """Whether two listen addresses would bind the same port (port 0 is always a new one;
     a wildcard host takes the port on every address)."""
@@ -371,6 +380,18 @@ class ReceiverConfig(_Section):
 
     max_recipients: Annotated[int, Field(ge=1, le=100_000)] = 1000
     """Recipients per message; more are answered 452 4.5.3 (RFC 5321 4.5.3.1.10)."""
+
+    max_errors: Annotated[int, Field(ge=1, le=10_000)] = 20
+    """Error replies (4xx/5xx) a session may get before it is closed with 421 4.7.0 (Postfix's
+    smtpd_hard_error_limit, also 20): bad commands or refused recipients (address
+    harvesting) cannot hold a session for ever.  A message accepted starts the count again."""
+
+    postmaster: Annotated[str, AfterValidator(_check_postmaster)] | None = None
+    """Where ``RCPT TO:<Postmaster>`` (no domain; RFC 5321 section 4.5.1 requires accepting
+    it) is delivered, from any client, relay or not, as Postfix delivers postmaster to its
+    alias.  zoneq has no mailboxes of its own, so it needs an address here; unset (the
+    default), ``<Postmaster>`` is refused with 550 5.1.1 saying so, rather than queued to
+    an address without a domain that could only bounce."""
 
     allow_networks: list[Network] = Field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
     """Clients allowed to relay (send to any domain); others get 554 5.7.1 at RCPT."""

@@ -3,8 +3,17 @@
 Theory of operation
 -------------------
 A message body arrives as ordered chunks (the store keeps 64 KiB chunks) and must reach the wire
-without ever being held whole.  Per chunk, :class:`DotStuffer` does four things, in this order:
+without ever being held whole.  Per chunk, :class:`DotStuffer` does five things, in this order:
 
+0. **NUL octets are dropped.**  NUL is not message text (RFC 5322 section 3.5 ``text``; RFC 2045
+   sections 2.7-2.8 forbid it in 7bit and 8bit data; only BINARYMIME, RFC 3030, carries it, and
+   zoneq never sends that).  The SMTP smuggling research (SEC Consult, 2023) found receivers that
+   take ``<CR><LF>NUL.<CR><LF>`` for the end of data: they drop NULs, or end a line at one.
+   Dot-stuffing a line that starts with NULs then ``.`` would cover the first kind only; with no
+   NUL on the wire neither kind can be fooled, which is also the fix proposed on oss-security
+   (2024-04-30): strip the NULs, then dot-stuff.  The receiver refuses NUL in DATA, so only text
+   that came in another way (or before that check) loses anything, and only octets that were
+   never allowed.
 1. **Line endings.**  Every CRLF, bare CR and bare LF becomes one CRLF (RFC 5321 section 2.3.8:
    a client sends CR and LF only as a CRLF pair).  This is what stops SMTP smuggling
    (CVE-2023-51764/-51765/-51766): ``<LF>.<LF>`` or ``<CR>.<CR>`` in a stored body would otherwise
@@ -141,6 +150,10 @@ class DotStuffer:
         """Encode the next chunk of the body; the result may be empty."""
         if self._finished:
             raise RuntimeError("feed() called after finish()")
+        # NULs go first (``in`` is memchr: free on the common path), so that CR NUL LF cut
+        # across chunks is one line ending, as it is in one chunk.
+        if b"\0" in chunk:
+            chunk = chunk.replace(b"\0", b"")
         if self._skip_lf and chunk:
             self._skip_lf = False
             if chunk[0] == 0x0A:  # LF completing the CR that ended the previous chunk

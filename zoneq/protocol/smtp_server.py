@@ -8,10 +8,17 @@ on the events that come back, and writes out ``data_to_send()``.  Like h11, the 
 "bytes in, events and bytes out":
 
 * Bytes are buffered and cut into lines; only CRLF ends a line (RFC 5321 section 2.3.8).
-  A bare CR or LF never ends anything, which is what defeats SMTP smuggling.
+  A bare CR or LF never ends anything, which is what defeats SMTP smuggling.  A command
+  line may be ``max_command_line`` octets (512, section 4.5.3.1.4), more for MAIL and RCPT
+  by what their parameters may add (``_EXTENDED``: RFC 1870, 3461, 6152, 6531).
 * Each command line is parsed (``smtp_commands``) and checked against the state table
   ``_ALLOWED`` (RFC 5321 section 4.1.4 ordering).  Faults of the peer never raise: they
   become replies (``CommandError`` carries the reply to send).
+* Every 4xx/5xx reply counts as an error; the one that reaches ``max_errors`` is followed
+  by 421 4.7.0 and the session closes (Postfix's ``smtpd_hard_error_limit``): otherwise a
+  client could hold a session for ever with bad commands, or harvest addresses with
+  refused RCPTs.  A message accepted (250 at the final dot) starts the count again, so a
+  bulk session with a refused recipient now and then is never cut off.
 * Commands the machine can answer alone (EHLO, NOOP, RSET, ...) are answered at once.
   Commands that need the driver's judgement (``MailFrom``, ``RcptTo``, ``DataStart``,
   ``DataEnd``, ``AuthRequest``, ``AuthResponse``) become events with ``needs_decision``;
@@ -29,9 +36,14 @@ Choices about bad message data (the decision is made at the final dot, as Postfi
 ``smtpd_forbid_bare_newline`` does, so the client is still in step with us):
 
 * A bare CR or LF anywhere in DATA (the 2023 smuggling sequences ``<LF>.<LF>``,
-  ``<LF>.<CR><LF>``, ``<CR>.<CR>``, ``<CR><LF>.<LF>`` and their NUL variants) does not end
-  the message; the message is refused after the real final dot with 554 5.6.0 (RFC 3463
-  section 3.7, "other media error": the registry has no code specific to bare newlines).
+  ``<LF>.<CR><LF>``, ``<CR>.<CR>``, ``<CR><LF>.<LF>``) does not end the message; the
+  message is refused after the real final dot with 554 5.6.0 (RFC 3463 section 3.7,
+  "other media error": the registry has no code specific to bare newlines).
+* A NUL octet anywhere in DATA is refused the same way, 554 5.6.0 after the real final
+  dot.  NUL is not message text without BINARYMIME (RFC 5322 section 3.5 ``text`` and
+  RFC 2045 sections 2.7-2.8 exclude it; RFC 3030, not offered here), and the NUL variants
+  of the smuggling research (``<CR><LF>NUL.<CR><LF>``, ``<CR><LF>.NUL<CR><LF>``: some
+  servers drop NULs or end a line at one) would otherwise be stored and passed on.
 * A text line over ``max_text_line`` octets, CRLF included (RFC 5321 section 4.5.3.1.6),
   is refused after the final dot with 500 5.5.2 "Line too long" (section 4.5.3.1.10 lists
   500 for it).
@@ -127,6 +139,8 @@ BARE_NEWLINE_IN_COMMAND: Final = syntax_error("Bare CR or LF not allowed")
 TOO_MANY_RECIPIENTS: Final = _r(452, "Too many recipients", 4, 5, 3)
 MESSAGE_TOO_BIG: Final = _r(552, "Message size exceeds fixed maximum message size", 5, 3, 4)
 BARE_NEWLINE_IN_DATA: Final = _r(554, "Bare CR or LF not allowed in message data", 5, 6, 0)
+NUL_IN_DATA: Final = _r(554, "NUL octet not allowed in message data", 5, 6, 0)
+TOO_MANY_ERRORS: Final = _r(421, "Too many errors, closing connection", 4, 7, 0)
 TEXT_LINE_TOO_LONG: Final = syntax_error("Line too long")
 
 
@@ -152,6 +166,13 @@ _NEED_MAIL: Final = _r(503, "Need MAIL command", 5, 5, 1)
 _NEED_RCPT: Final = _r(503, "Need RCPT command", 5, 5, 1)
 _NESTED_MAIL: Final = _r(503, "Sender already specified", 5, 5, 1)
 
+# Octets that parameters may add to a command line beyond the 512 of RFC 5321 section
+# 4.5.3.1.4 ("... may be increased by ... extensions"): MAIL SIZE= 26 (RFC 1870 section 3),
+# BODY= 15 (RFC 6152 section 2), SMTPUTF8 10 (RFC 6531 section 3.1), ENVID= and RET= 100
+# (RFC 3461 section 4); RCPT NOTIFY= and ORCPT= 500 (RFC 3461 section 4).  Keyed by the
+# verb and its space, as the line starts.
+_EXTENDED: Final = {b"MAIL ": 26 + 15 + 10 + 100, b"RCPT ": 500}
+
 
 class ServerConnection:
     """One SMTP session seen from the server.  See the module docstring."""
@@ -164,17 +185,20 @@ class ServerConnection:
         max_recipients: int = 1000,
         max_command_line: int = 512,
         max_text_line: int = 1000,
+        max_errors: int = 20,
         auth_offered: bool = False,
         tls_offered: bool = False,
         tls_active: bool = False,
     ) -> None:
-        if max_command_line < 8 or max_text_line < 3 or max_message_size < 0:
+        if max_command_line < 8 or max_text_line < 3 or max_message_size < 0 or max_errors < 1:
             raise ValueError("limits too small")
         self.hostname = hostname
         self.max_message_size = max_message_size
         self.max_recipients = max_recipients
         self.max_command_line = max_command_line  # RFC 5321 4.5.3.1.4: 512 with CRLF
         self.max_text_line = max_text_line  # RFC 5321 4.5.3.1.6: 1000 with CRLF
+        self.max_errors = max_errors  # error replies before 421 (smtpd_hard_error_limit)
+        self.errors = 0  # error replies since the session began or last accepted a message
         self.auth_offered = auth_offered
         self.tls_offered = tls_offered
         self.tls_active = tls_active
@@ -247,6 +271,8 @@ class ServerConnection:
         elif isinstance(event, AuthRequest | AuthResponse):
             self.authenticated = True
             self.state = State.READY
+        elif isinstance(event, DataEnd):
+            self.errors = 0  # mail delivered: the error limit is for sessions that deliver none
         self._send(reply)
         return self._process()
 
@@ -295,7 +321,16 @@ class ServerConnection:
 
     def _send(self, reply: Reply) -> None:
         self._out += _wire(reply)
+        if reply.code < 400:
+            return
         if reply.code == 421:
+            self.state = State.CLOSED
+            return
+        self.errors += 1
+        if self.errors >= self.max_errors:
+            # RFC 5321 section 3.8: a server may close with 421 when it must; Postfix says
+            # "421 4.7.0 ... Error: too many errors" at its smtpd_hard_error_limit.
+            self._out += _wire(TOO_MANY_ERRORS)
             self.state = State.CLOSED
 
     def _decide(self, event: Event, events: list[Event]) -> None:
@@ -329,11 +364,12 @@ class ServerConnection:
         """The next complete command line, or None when more input is needed.
 
         Over-long lines are answered 500 5.5.2 and skipped up to the next CRLF (RFC 5321
-        section 4.5.3.1.4); lines with a bare CR/LF, NUL or invalid UTF-8 are answered
-        500 5.5.2 here too.
+        section 4.5.3.1.4; MAIL and RCPT may be longer, ``_EXTENDED``); lines with a bare
+        CR/LF, NUL or invalid UTF-8 are answered 500 5.5.2 here too.  Each of those replies
+        may reach the error limit and close the session: then nothing more is read.
         """
         buf = self._buffer
-        while True:
+        while self.state is not State.CLOSED:
             end = buf.find(_CRLF)
             if self._discarding:
                 if end < 0:
@@ -343,14 +379,15 @@ class ServerConnection:
                 self._discarding = False
                 continue
             if end < 0:
-                if len(buf) >= self.max_command_line:
+                if len(buf) >= self.max_command_line and len(buf) >= self._line_limit(buf):
                     self._send(LINE_TOO_LONG)
                     self._discarding = True
                     continue
                 return None
             raw = bytes(buf[:end])
             del buf[: end + 2]
-            if end + 2 > self.max_command_line:
+            # The plain limit first: the verb is looked at only for a line longer than it.
+            if end + 2 > self.max_command_line and end + 2 > self._line_limit(raw):
                 self._send(LINE_TOO_LONG)
                 continue
             if b"\r" in raw or b"\n" in raw or b"\0" in raw:
@@ -360,6 +397,13 @@ class ServerConnection:
                 return raw.decode("utf-8")
             except UnicodeDecodeError:
                 self._send(syntax_error("Invalid UTF-8 in command"))
+        return None
+
+    def _line_limit(self, line: bytes | bytearray) -> int:
+        """The longest command line (CRLF included) allowed for ``line``'s verb."""
+        if self.state is State.AUTH:
+            return self.max_command_line  # a SASL response, not a command
+        return self.max_command_line + _EXTENDED.get(bytes(line[:5]).upper(), 0)
 
     def _line(self, line: str, events: list[Event]) -> None:
         if self.state is State.AUTH:
@@ -546,12 +590,12 @@ class ServerConnection:
         the line-by-line path (``_data_line_start`` / ``_content``) to decide a fault.
 
         Taken only when the lines up to the end marker (or the last CRLF) hold no CR or LF
-        outside CRLF pairs, no line is longer than the limit even before unstuffing, and
-        the size limit is not reached; then unstuffing is one ``replace``.  Anything else
-        returns False and the same bytes go through the careful path, so faults are found
-        exactly as there (the Hypothesis chunking tests compare both paths).  After a
-        refusal the careful path takes the whole window before this is tried again
-        (``_careful``), so no octet is scanned more than twice.
+        outside CRLF pairs and no NUL (one ``find``: memchr), no line is longer than the
+        limit even before unstuffing, and the size limit is not reached; then unstuffing is
+        one ``replace``.  Anything else returns False and the same bytes go through the
+        careful path, so faults are found exactly as there (the Hypothesis chunking tests
+        compare both paths).  After a refusal the careful path takes the whole window
+        before this is tried again (``_careful``), so no octet is scanned more than twice.
         """
         buf = self._buffer
         if buf.startswith(_END_MARK):
@@ -566,6 +610,7 @@ class ServerConnection:
         if (
             region.count(b"\r") != pairs
             or region.count(b"\n") != pairs
+            or region.find(b"\0") >= 0
             or max(map(len, region.split(_CRLF))) > self.max_text_line - 2
         ):
             self._careful = stop
@@ -600,13 +645,16 @@ class ServerConnection:
         return True
 
     def _content(self, part: bytes) -> None:
-        """Text inside a line (no line end): check for bare CR/LF and the line limit."""
+        """Text inside a line (no line end): check for bare CR/LF, NUL and the line limit."""
         if self._fault is not None:
             return
         cut, fault = len(part), None
         bare = [i for i in (part.find(b"\r"), part.find(b"\n")) if i >= 0]
         if bare:
             cut, fault = min(bare), BARE_NEWLINE_IN_DATA
+        nul = part.find(b"\0", 0, cut)
+        if nul >= 0:
+            cut, fault = nul, NUL_IN_DATA
         room = self.max_text_line - 2 - self._line_len
         if room < cut:
             cut, fault = room, TEXT_LINE_TOO_LONG

@@ -30,6 +30,8 @@ Choices:
 * Relaying: clients in ``receiver.allow_networks`` and clients that authenticated; others
   get 554 5.7.1 at RCPT.  Source routes and the percent hack are refused from everyone
   (``relay.py``).
+* ``RCPT TO:<Postmaster>`` (RFC 5321 section 4.5.1: no domain, must be accepted) goes to
+  ``receiver.postmaster`` from any client; unset, it is refused 550 5.1.1 saying so.
 * STARTTLS (``tls.py``) is offered when a certificate is configured; AUTH PLAIN and LOGIN
   (``auth.py``) once TLS is active and users are configured.  ``receiver.tls_listen`` adds
   a listener for implicit TLS (RFC 8314 section 3.3): the handshake first, then the same
@@ -116,6 +118,7 @@ def _r(code: int, text: str, klass: int, subject: int, detail: int) -> Reply:
 MAIL_LOOP: Final = _r(554, "Too many Received headers: mail loop detected", 5, 4, 6)
 ALL_DROPPED: Final = Reply(250, ("Ok: accepted, nothing to deliver",), EnhancedStatus(2, 0, 0))
 TOO_MANY: Final = "Too many connections from your address"  # 421 4.7.0 (RFC 3463 3.8)
+NO_POSTMASTER: Final = _r(550, "No postmaster address is configured here", 5, 1, 1)
 
 
 def _counted(admission: asyncio.Future[bool]) -> bool:
@@ -352,6 +355,7 @@ class _Session:
             receiver.hostname,
             max_message_size=receiver.max_message_size,
             max_recipients=config.receiver.max_recipients,
+            max_errors=config.receiver.max_errors,
             tls_offered=receiver.tls_context is not None,
             tls_active=bool(tls),  # implicit TLS: no STARTTLS, AUTH at once (RFC 3207, 8314)
             auth_offered=receiver.authenticator.enabled or receiver.hooks.auth_hook,
@@ -599,7 +603,11 @@ class _Session:
         refusal = address_refusal(address, event.route)
         if refusal is not None:
             return self.conn.reject(refusal)
-        if not self.relay:
+        if "@" not in address:  # <Postmaster>, the one address the machine takes bare
+            address = self.receiver.config.receiver.postmaster or ""
+            if not address:
+                return self.conn.reject(NO_POSTMASTER)
+        elif not self.relay:
             return self.conn.reject(RELAY_DENIED)
         assert self.mail is not None  # the machine asks for RCPT only after MAIL
         decided = await self.hooks.rcpt(
