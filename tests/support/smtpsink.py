@@ -92,8 +92,12 @@ def parse_dump(data: bytes) -> SinkMessage:
     )
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _free_port(host: str) -> int:
-    with socket.socket() as probe:
+    with socket.socket(_family(host)) as probe:
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
 
@@ -113,7 +117,8 @@ def _wait_listening(host: str, port: int, proc: subprocess.Popen[bytes], timeout
 def run_smtp_sink(
     *options: str, host: str | None = None, port: int | None = None, backlog: int = 16
 ) -> Iterator[Sink]:
-    """Start smtp-sink with ``options`` (e.g. ``"-r", "RCPT"``); yield where it listens.
+    """Start smtp-sink with ``options`` (e.g. ``"-r", "RCPT"``); yield where it listens
+    (``host`` may be ``"::1"``: the sink then reports clients as ``ipv6:::1``).
     ``port``: this one (several MX hosts on one port, as zoneq's ``mx_port`` needs), else a
     free one.  ``backlog``: its listen queue; benchmarks need a long one, or a burst of
     connections is refused and the sender backs off from a host that is merely busy."""
@@ -128,7 +133,8 @@ def run_smtp_sink(
     try:
         for _attempt in range(5):  # the free port may be taken between probe and bind
             port = _free_port(host) if port is None else port
-            address = f"{host}:{port}"
+            # Postfix writes an IPv6 address in brackets: [::1]:port.
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             with log.open("ab") as stderr:
                 dump = ["-d", f"{dump_dir}/msg."]
                 proc = subprocess.Popen(

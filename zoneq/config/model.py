@@ -159,7 +159,9 @@ class ZoneConfig(_Section):
     """EHLO name for this zone; None means ``server.hostname``."""
 
     ipv6: bool = True
-    """Whether to connect to IPv6 addresses of receiving servers."""
+    """Whether to connect to IPv6 addresses of receiving servers.  IPv6 also needs an IPv6
+    address in ``pool`` when the zone has one: a pool of IPv4 addresses only sends over
+    IPv4 whatever this says (and a pool of IPv6 addresses only needs this on)."""
 
     pool: Pool = Field(default_factory=list)
     """Source addresses to send from, by ratio (``[[zones.<name>.pool]]``, zones.py)."""
@@ -194,6 +196,14 @@ class ZoneConfig(_Section):
         except ValueError as exc:
             text = _max_age_problem(self.retry, self.max_age, exc)
             raise problems_error((("max_age",), text)) from None
+        return self
+
+    @model_validator(mode="after")
+    def _check_families(self) -> Self:
+        # A pool of IPv6 addresses only with IPv6 off could never connect anywhere.
+        if not self.ipv6 and self.pool and all(":" in entry.address for entry in self.pool):
+            text = "is false, but every pool address is IPv6: the zone could not send at all"
+            raise problems_error((("ipv6",), text))
         return self
 
     # Parsed on each use rather than cached in a private attribute: parsing costs

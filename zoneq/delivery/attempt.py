@@ -11,7 +11,17 @@ leaves the walk as soon as a server settles it (accepted, refused for good, or d
 a 4xx); recipients left with NEXT_HOST (the host would not talk, the connection failed) go
 on to the next address.  Whatever is still unsettled after the last address is deferred
 with the last reason seen.  A connection that could not be made marks its address dead for
-a while, so the other delivery loops skip it too; one that worked marks it alive.
+a while, so the other delivery loops skip it too; one that worked marks it alive.  A
+connection that failed because our own source address could not be bound (it left the
+host) is our fault, not the host's: the host is not marked dead (``pool.bind_failure``).
+
+Address families: the walk tries only the MX addresses of a family the zone's pool has
+(an IPv4 source cannot connect to an IPv6 address, and failing to bind is no news about
+the MX).  A pool with no IPv6 address turns IPv6 off for the zone, whatever ``ipv6`` says;
+with no pool the system picks a source of either family.  When the MX hosts have addresses
+only of families the pool lacks, the recipients are deferred with 4.4.4 (RFC 3463 section
+3.5, "unable to route"): a local limit the operator can lift by adding a pool address, so
+it must not bounce.  The source address is chosen once per family for the whole walk.
 
 A zone with a smarthost has no MX walk: its one host is the relay (host, port, TLS and
 AUTH from the config).  Each attempt binds one source address of the zone's pool
@@ -28,6 +38,7 @@ fails defers the recipients with 451 4.3.0 and a logged error: nothing is lost.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +46,7 @@ from dataclasses import dataclass, field
 from zoneq.delivery.headers import OutgoingBody
 from zoneq.delivery.hostcache import DeadHostCache
 from zoneq.delivery.mx import MxHost, MxKind, MxResolver, MxResult
-from zoneq.delivery.pool import Source, SourcePool
+from zoneq.delivery.pool import Source, SourcePool, bind_failure, family_of
 from zoneq.delivery.results import RecipientResult, TransactionResult
 from zoneq.delivery.transport import (
     RFC5321_TIMEOUTS,
@@ -94,10 +105,15 @@ class Settings:
             return self.relay.tls
         return self.tls_policy.get(domain.lower(), self.tls)
 
-    def source_for(self, resting: Sequence[str]) -> Source:
+    @property
+    def families(self) -> frozenset[int] | None:
+        """The IP versions the zone can connect from (its pool's); None: any."""
+        return self.sources.families if self.sources is not None else None
+
+    def source_for(self, resting: Sequence[str], family: int | None = None) -> Source:
         if self.sources is None:
             return Source(None, self.helo_name)
-        return self.sources.choose(resting)
+        return self.sources.choose(resting, family)
 
 
 Send = Callable[..., Awaitable[TransactionResult]]
@@ -125,6 +141,10 @@ async def attempt(
         mx = await resolver.resolve(job.domain, ipv6=settings.ipv6)
         if mx.kind is not MxKind.HOSTS:
             return _without_connection(job, mx)
+    usable = _usable_hosts(mx, settings.families)
+    if usable is None:
+        return _no_usable_family(job, mx, settings.families or frozenset())
+    mx = usable
     outgoing = OutgoingBody(body, settings.zone_header)
     if plugins is not None and plugins.handles(Hook.SENDER_HEADERS):
         refused = await _sender_headers(job, settings.zone, plugins, outgoing)
@@ -174,9 +194,10 @@ class _Walk:
         self.connections = connections
         connect_hook = plugins is not None and plugins.handles(Hook.SENDER_CONNECT)
         self.plugins = plugins if connect_hook else None
-        # One source for the whole walk: the address the core told us to avoid stays avoided
-        # on every MX host, and the reports name the address the replies were about.
-        self.source = settings.source_for(job.rested)
+        # One source per family for the whole walk: the address the core told us to avoid
+        # stays avoided on every MX host, and the reports name the address the replies were
+        # about.  Chosen when first needed, so a walk over IPv4 alone takes no IPv6 turn.
+        self._sources: dict[int | None, Source] = {}
         self.job = job
         self.settings = settings
         self.dead_hosts = dead_hosts
@@ -203,18 +224,26 @@ class _Walk:
                 if not self.dead_hosts.is_dead(address):
                     await self._try(host.name, address)
 
+    def _source(self, address: str) -> Source:
+        family = family_of(address) if self.settings.families is not None else None
+        source = self._sources.get(family)
+        if source is None:
+            source = self._sources[family] = self.settings.source_for(self.job.rested, family)
+        return source
+
     async def _try(self, host_name: str, address: str) -> None:
-        if self.plugins is not None and not await self._may_connect(host_name, address):
+        source = self._source(address)
+        if self.plugins is not None and not await self._may_connect(host_name, address, source):
             return
         relay = self.settings.relay
         result = await self.send(
             host=address,
             port=relay.port if relay is not None else self.settings.port,
-            helo_name=self.source.helo_name,
+            helo_name=source.helo_name,
             sender=self.job.sender,
             recipients=self.pending,
             body=self.body,
-            source_address=self.source.address,
+            source_address=source.address,
             tls=self.settings.tls_for(self.job.domain),
             tls_server_name=host_name,
             timeouts=self.settings.timeouts,
@@ -224,7 +253,11 @@ class _Walk:
             **(_relay_options(relay) if relay is not None else {}),
         )
         if result.peer is None:
-            self.dead_hosts.mark_dead(address)
+            local_fault = source.address is not None and bind_failure(source.address)
+            if local_fault:
+                log.error("source address %s cannot be bound: %s", source.address, local_fault)
+            else:
+                self.dead_hosts.mark_dead(address)
         else:
             self.dead_hosts.mark_alive(address)
         still: list[Recipient] = []
@@ -234,7 +267,7 @@ class _Walk:
                 still.append(rcpt)
             else:
                 token = self.tokens[rcpt.address]
-                local = result.local or self.source.address
+                local = result.local or source.address
                 self.settled[rcpt.address] = _report(token, outcome, host_name, local)
         self.pending = still
 
@@ -249,7 +282,7 @@ class _Walk:
         status = str(reply.enhanced) if reply.enhanced is not None else None
         return first_match(self.settings.rules, reply.code, status, str(reply)) is not None
 
-    async def _may_connect(self, host_name: str, address: str) -> bool:
+    async def _may_connect(self, host_name: str, address: str, source: Source) -> bool:
         """Ask ``sender:connect``; False when a plugin refused or failed (all settled)."""
         assert self.plugins is not None
         args = ConnectArgs(
@@ -257,7 +290,7 @@ class _Walk:
             domain=self.job.domain,
             mx_host=host_name,
             mx_address=address,
-            source_address=self.source.address,
+            source_address=source.address,
         )
         try:
             result = await self.plugins.call(Hook.SENDER_CONNECT, args)
@@ -270,7 +303,7 @@ class _Walk:
             refusal = result.reply
         for rcpt in self.pending:
             token = self.tokens[rcpt.address]
-            self.settled[rcpt.address] = _refused(token, refusal, host_name, self.source.address)
+            self.settled[rcpt.address] = _refused(token, refusal, host_name, source.address)
         self.pending = []
         return False
 
@@ -313,6 +346,37 @@ def _relay_hosts(domain: str, relay: Relay) -> MxResult:
     """The smarthost in place of the domain's MX hosts (no lookup: the relay routes)."""
     host = MxHost(name=relay.host, preference=0, addresses=(relay.host,))
     return MxResult(MxKind.HOSTS, domain, "smarthost", None, hosts=(host,))
+
+
+def _usable_hosts(mx: MxResult, families: frozenset[int] | None) -> MxResult | None:
+    """``mx`` with only the addresses the pool can connect from (``families``; None: all),
+    hosts left with none dropped; None when no host is left.  A name (a smarthost given
+    by name) stays: the connection resolves it, in whichever family the system has."""
+    if families is None:
+        return mx
+    hosts = []
+    for host in mx.hosts:
+        kept = tuple(a for a in host.addresses if family_of(a) in (*families, None))
+        if kept:
+            hosts.append(MxHost(host.name, host.preference, kept))
+    if not hosts:
+        return None
+    return dataclasses.replace(mx, hosts=tuple(hosts))
+
+
+def _no_usable_family(job: Job, mx: MxResult, families: frozenset[int]) -> list[RecipientReport]:
+    """Every recipient deferred: the MX hosts have addresses only of families the pool
+    lacks.  4.4.4, RFC 3463 section 3.5 "unable to route"; 451 because the limit is ours
+    (RFC 5321 section 4.2.5 asks a client to treat its own faults as temporary)."""
+    have = " and ".join(f"IPv{f}" for f in sorted(families)) or "no"
+    reply = (
+        f"451 4.4.4 no usable address family: the zone's source pool has {have} "
+        f"addresses only, and no MX host of {mx.domain} has one of that family"
+    )
+    return [
+        RecipientReport(r.token, Outcome.DEFERRED, reply=reply, code=None, enhanced="4.4.4")
+        for r in job.recipients
+    ]
 
 
 def _relay_options(relay: Relay) -> dict[str, object]:

@@ -17,6 +17,15 @@ others share their turns.  When every address of the pool is resting, the whole 
 used again: the rest is advice on which address to prefer, and holding the mail back
 would only move the same question to the next retry.
 
+Address families
+----------------
+A connection can only bind a source address of the family of the address it connects to
+(an IPv4 source cannot reach an IPv6 MX address).  ``families`` says which the pool has,
+and ``choose(family=...)`` picks among that family's addresses only, with the same ratio
+among them; the MX walk (``attempt.py``) tries only the MX addresses whose family the pool
+has, so a pool of IPv4 addresses means IPv6 is off for the zone whatever its ``ipv6`` key
+says.  A zone without a pool lets the system pick, for either family.
+
 One ``SourcePool`` per worker process, shared by its delivery loops (one event loop, no
 locks needed); the zone's processes each run their own, and each keeps the ratio, so
 their sum does too.
@@ -24,12 +33,37 @@ their sum does too.
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from zoneq.config.zones import PoolAddress
 
-__all__ = ["Source", "SourcePool"]
+__all__ = ["Source", "SourcePool", "bind_failure", "family_of"]
+
+
+def family_of(address: str) -> int | None:
+    """4 or 6 for an IP address text; None for a host name (a smarthost given by name)."""
+    try:
+        return ipaddress.ip_address(address).version
+    except ValueError:
+        return None
+
+
+def bind_failure(address: str) -> str | None:
+    """Why ``address`` cannot be bound on this host now, or None if it can.
+
+    Port 0 takes no port anyone could notice; the kernel refuses an address that is no
+    longer on an interface (EADDRNOTAVAIL).  Asked only after a connection failed, to
+    tell a local fault (do not blame the remote host) from a remote one."""
+    family = socket.AF_INET6 if family_of(address) == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,24 +78,35 @@ class Source:
 class SourcePool:
     """Smooth weighted round-robin over a zone's pool (see the module's docstring)."""
 
-    __slots__ = ("_current", "_default", "_sources", "_weights")
+    __slots__ = ("_current", "_default", "_families", "_sources", "_weights")
 
     def __init__(self, pool: Sequence[PoolAddress], default_helo: str) -> None:
         self._sources = [Source(entry.address, entry.ehlo_name or default_helo) for entry in pool]
         self._weights = [entry.ratio for entry in pool]
         self._current = [0.0] * len(pool)
         self._default = Source(None, default_helo)
+        self._families = [family_of(entry.address) for entry in pool]
 
     def __len__(self) -> int:
         return len(self._sources)
 
-    def choose(self, resting: Collection[str] = ()) -> Source:
-        """The source for the next delivery, avoiding ``resting`` addresses where it can."""
+    @property
+    def families(self) -> frozenset[int] | None:
+        """The IP versions (4, 6) the pool has addresses of; None: no pool, any family."""
+        return frozenset(f for f in self._families if f is not None) if self._sources else None
+
+    def choose(self, resting: Collection[str] = (), family: int | None = None) -> Source:
+        """The source for the next delivery, avoiding ``resting`` addresses where it can;
+        ``family`` (4 or 6): only among the pool's addresses of that IP version.
+
+        Raises ``LookupError`` when the pool has no address of ``family`` (the caller asks
+        only for families in ``families``)."""
         if not self._sources:
             return self._default
-        candidates = [
-            index for index, source in enumerate(self._sources) if source.address not in resting
-        ] or range(len(self._sources))
+        usable = [i for i, f in enumerate(self._families) if family is None or f == family]
+        if not usable:
+            raise LookupError(f"the pool has no IPv{family} address")
+        candidates = [i for i in usable if self._sources[i].address not in resting] or usable
         total = 0.0
         best = -1
         for index in candidates:
