@@ -227,7 +227,8 @@ async def test_raw_upload_takes_the_envelope_from_headers_and_removes_bcc(
     ("data", "query", "status"),
     [
         (b"Subject: no addresses\r\n\r\nx\r\n", "", 400),
-        (RAW, "?from=a@src.test", 400),  # an envelope without recipients
+        # A sender alone takes the recipients from the headers: here there are none.
+        (b"From: a@src.test\r\nSubject: x\r\n\r\nx\r\n", "?from=a@src.test", 400),
         (RAW, "?to=bad%0d%0aRCPT", 400),
         (b"", "?from=a@src.test&to=b@ok.test", 400),
     ],

@@ -7,6 +7,7 @@ from typing import Final
 from aiohttp import web
 
 from zoneq.api.context import context
+from zoneq.api.errors import BadRequest
 from zoneq.api.models import MessageView, QueueCounts, RecipientPage, RecipientView, ZoneCounts
 from zoneq.protocol.ids import format_id, parse_id
 from zoneq.storage.base import QueuedRecipient
@@ -16,8 +17,16 @@ MAX_PAGE: Final = 1000
 DEFAULT_PAGE: Final = 100
 
 
+def client_id(text: str, what: str) -> int:
+    """A message or event id the client gave (16 hex digits), or ``BadRequest``."""
+    try:
+        return parse_id(text)
+    except ValueError as exc:
+        raise BadRequest(f"{what}: {exc}") from None
+
+
 def message_id(request: web.Request) -> int:
-    return parse_id(request.match_info["id"])
+    return client_id(request.match_info["id"], "id")
 
 
 def recipient_view(queued: QueuedRecipient) -> RecipientView:
@@ -44,13 +53,13 @@ def _state(request: web.Request) -> State:
     try:
         return State(text)
     except ValueError:
-        raise ValueError(f"state: {text!r} is not one of {[s.value for s in State]}") from None
+        raise BadRequest(f"state: {text!r} is not one of {[s.value for s in State]}") from None
 
 
 def page_limit(request: web.Request) -> int:
     text = request.query.get("limit", str(DEFAULT_PAGE))
     if not text.isdigit() or not 1 <= int(text) <= MAX_PAGE:
-        raise ValueError(f"limit: expected 1 to {MAX_PAGE}, got {text!r}")
+        raise BadRequest(f"limit: expected 1 to {MAX_PAGE}, got {text!r}")
     return int(text)
 
 

@@ -170,6 +170,10 @@ def _target(args: argparse.Namespace, verb: str) -> str:
 
 
 def _retry(api: ApiClient, args: argparse.Namespace) -> Result:
+    if args.domain and args.id:
+        # The API retries a whole message (its deferred recipients, every domain): refused
+        # rather than silently retrying more than the operator asked for.
+        raise UsageError("retry: --domain goes with --zone or alone, not with a message id")
     if args.domain and not args.zone and not args.id:
         body = api.call("POST", f"{V1}/domains/{args.domain}/retry")
     else:

@@ -13,8 +13,8 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from zoneq.api.browse import client_id
 from zoneq.api.context import context
-from zoneq.protocol.ids import parse_id
 from zoneq.storage.export import event_records, queue_records
 
 BATCH: Final = 500
@@ -39,7 +39,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     """``?after=<16-hex event id>``: only events after that one (the last export's end)."""
     ctx = context(request)
     after_text = request.query.get("after")
-    after = None if not after_text else parse_id(after_text)
+    after = None if not after_text else client_id(after_text, "after")
     with ctx.store.database.snapshot() as snapshot:
         return await _ndjson(request, event_records(ctx.store, after=after, snapshot=snapshot))
 

@@ -31,6 +31,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from zoneq.api.context import context
+from zoneq.api.models import Health
 from zoneq.protocol.events import EventKind
 from zoneq.queue.admin import QueueAdmin
 from zoneq.storage import keys
@@ -190,5 +191,6 @@ async def health(request: web.Request) -> web.Response:
     """Unauthenticated: 200 while the queue accepts writes, 503 while it does not."""
     failure = context(request).store.failure
     if failure is not None:
-        return web.json_response({"status": "unavailable", "reason": str(failure)}, status=503)
-    return web.json_response({"status": "ok"})
+        body = Health(status="unavailable", reason=str(failure))
+        return web.json_response(body.model_dump(exclude_none=True), status=503)
+    return web.json_response(Health(status="ok").model_dump(exclude_none=True))

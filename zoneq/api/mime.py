@@ -24,7 +24,7 @@ from email.utils import format_datetime, getaddresses, make_msgid
 from typing import Final
 
 from zoneq.api.models import Submission
-from zoneq.queue.intake import Envelope, Unacceptable, check_address
+from zoneq.queue.intake import NUL_REFUSED, Envelope, Unacceptable, check_address
 
 # RFC 5322 section 3.6.8: a field name is printable ASCII but the colon.
 _FIELD_NAME: Final = re.compile(r"[!-9;-~]{1,76}")
@@ -104,13 +104,23 @@ def build(submission: Submission, *, hostname: str, now_ms: int) -> tuple[bytes,
     return data, Envelope(mail_from, recipients).checked()
 
 
+def _text(value: str | None, what: str) -> str:
+    """A body part's text; NUL refused (RFC 5321 4.5.2, RFC 2045 2.7-2.8: not in 7bit or
+    8bit text, and a smuggling sequence's ingredient).  Attachments are base64: any octet."""
+    if value is None:
+        return ""
+    if "\x00" in value:
+        raise Unacceptable(f"{what}: {NUL_REFUSED}")
+    return value
+
+
 def _body(msg: EmailMessage, submission: Submission) -> None:
-    text, html = submission.text, submission.html
+    text, html = _text(submission.text, "text"), submission.html
     if html is not None:
-        msg.set_content(text if text is not None else "")
-        msg.add_alternative(html, subtype="html")
+        msg.set_content(text)
+        msg.add_alternative(_text(html, "html"), subtype="html")
     else:
-        msg.set_content(text if text is not None else "")
+        msg.set_content(text)
     for index, attachment in enumerate(submission.attachments):
         what = f"attachments[{index}]"
         filename = _plain(attachment.filename, f"{what}.filename")

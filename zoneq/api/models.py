@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from zoneq.storage.records import State
 
@@ -71,7 +71,21 @@ class Selection(_Body):
 
 
 class HoldRequest(_Body):
-    reason: str = Field(default="held by administrator", max_length=200)
+    reason: str = Field(
+        default="held by administrator",
+        max_length=200,
+        description="one line of text: no control characters",
+    )
+
+    @field_validator("reason")
+    @classmethod
+    def _one_line(cls, value: str) -> str:
+        # Shown in `zoneq queue browse`'s table and in the JSON of every recipient: a CR or
+        # LF would break the table's rows (and an ESC could drive the operator's terminal).
+        bad = next((c for c in value if ord(c) < 32 or ord(c) == 127), None)
+        if bad is not None:
+            raise ValueError(f"control character {bad!r} not allowed")
+        return value
 
 
 class Count(_Body):
@@ -83,6 +97,11 @@ class ZoneCounts(_Body):
     leased: int
     deferred: int
     held: int
+    paused: bool
+
+
+class ZoneState(_Body):
+    zone: str
     paused: bool
 
 
@@ -125,6 +144,11 @@ class MessageView(_Body):
     ret: str | None
     is_bounce: bool
     recipients: list[RecipientView]
+
+
+class Health(_Body):
+    status: Literal["ok", "unavailable"]
+    reason: str | None = Field(default=None, description="why the queue refuses writes")
 
 
 class ErrorBody(_Body):

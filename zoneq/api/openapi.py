@@ -108,17 +108,7 @@ def _message_op(summary: str, *, hold: bool = False) -> dict[str, Any]:
     return _op(summary, COUNT, params=(MSG_ID,), body=body, errors=(400, 404, 409, 503))
 
 
-ZONE_STATE: Final = {
-    "description": "the zone's pause state",
-    "content": {
-        JSON: {
-            "schema": {
-                "type": "object",
-                "properties": {"zone": {"type": "string"}, "paused": {"type": "boolean"}},
-            }
-        }
-    },
-}
+ZONE_STATE: Final = _json(models.ZoneState, "the zone's pause state")
 HOLD_BODY: Final = {JSON: {"schema": _ref(models.HoldRequest)}}
 NDJSON: Final = {
     "description": "one JSON object per line, from one consistent snapshot",
@@ -130,7 +120,10 @@ PATHS: Final[dict[str, dict[str, Any]]] = {
         "get": {
             "summary": "Liveness: 200 while the queue accepts writes, 503 while not (no auth)",
             "security": [],
-            "responses": {"200": {"description": "ok"}, "503": {"description": "unavailable"}},
+            "responses": {
+                "200": _json(models.Health, "ok"),
+                "503": _json(models.Health, "unavailable, with the reason"),
+            },
         }
     },
     "/metrics": {
@@ -319,11 +312,13 @@ SCHEMAS: Final = (
     models.Count,
     models.QueueCounts,
     models.ZoneCounts,
+    models.ZoneState,
     models.RecipientView,
     models.RecipientPage,
     models.MessageView,
     models.Error,
     models.ErrorBody,
+    models.Health,
     models.SuppressionAdd,
     models.SuppressionAdded,
     models.SuppressionPage,

@@ -11,8 +11,8 @@ from aiohttp import web
 
 from zoneq.api.browse import message_id
 from zoneq.api.context import context
-from zoneq.api.errors import Conflict
-from zoneq.api.models import Count, HoldRequest, Selection
+from zoneq.api.errors import BadRequest, Conflict, parse_body
+from zoneq.api.models import Count, HoldRequest, Selection, ZoneState
 from zoneq.protocol.ids import format_id
 from zoneq.protocol.retry import parse_duration
 from zoneq.queue import admin
@@ -41,10 +41,13 @@ async def delete_message(request: web.Request) -> web.Response:
 
 async def purge(request: web.Request) -> web.Response:
     ctx = context(request)
-    body = Selection.model_validate_json(await request.read())
+    body = parse_body(Selection, await request.read())
     older = None
     if body.older_than is not None:
-        older = ctx.clock() - parse_duration(body.older_than)
+        try:
+            older = ctx.clock() - parse_duration(body.older_than)
+        except ValueError as exc:
+            raise BadRequest(f"older_than: {exc}") from None
     selection = admin.Selection(
         zone=body.zone,
         state=None if body.state is None else State(body.state),
@@ -55,7 +58,7 @@ async def purge(request: web.Request) -> web.Response:
         older_than_ms=older,
     )
     if selection.is_everything() and not body.all:
-        raise ValueError('no filter given: send "all": true to purge the whole queue')
+        raise BadRequest('no filter given: send "all": true to purge the whole queue')
     return _count(await ctx.admin.purge(selection))
 
 
@@ -67,7 +70,7 @@ async def retry_message(request: web.Request) -> web.Response:
 async def hold_message(request: web.Request) -> web.Response:
     msg_id = message_id(request)
     raw = await _optional(request)
-    hold = HoldRequest.model_validate_json(raw) if raw else HoldRequest()
+    hold = parse_body(HoldRequest, raw) if raw else HoldRequest()
     count = await context(request).admin.hold_message(msg_id, hold.reason)
     return _changed(count, msg_id, "ready or deferred")
 
@@ -91,7 +94,7 @@ async def retry_domain(request: web.Request) -> web.Response:
 
 async def hold_zone(request: web.Request) -> web.Response:
     raw = await _optional(request)
-    hold = HoldRequest.model_validate_json(raw) if raw else HoldRequest()
+    hold = parse_body(HoldRequest, raw) if raw else HoldRequest()
     return _count(await context(request).admin.hold_zone(request.match_info["zone"], hold.reason))
 
 
@@ -102,10 +105,10 @@ async def release_zone(request: web.Request) -> web.Response:
 async def pause_zone(request: web.Request) -> web.Response:
     zone = request.match_info["zone"]
     await context(request).admin.pause(zone)
-    return web.json_response({"zone": zone, "paused": True})
+    return web.json_response(ZoneState(zone=zone, paused=True).model_dump())
 
 
 async def resume_zone(request: web.Request) -> web.Response:
     zone = request.match_info["zone"]
     await context(request).admin.resume(zone)
-    return web.json_response({"zone": zone, "paused": False})
+    return web.json_response(ZoneState(zone=zone, paused=False).model_dump())

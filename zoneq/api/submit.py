@@ -22,7 +22,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from aiohttp import web
 
 from zoneq.api.context import context
-from zoneq.api.errors import RETRY_AFTER_S, error_response
+from zoneq.api.errors import RETRY_AFTER_S, error_response, parse_body
 from zoneq.api.mime import build
 from zoneq.api.models import Queued, RefusedRecipient, Submission
 from zoneq.plugin import PluginFailure
@@ -61,12 +61,14 @@ async def _queue(
     envelope: Envelope | None,
     how: str,
     size_hint: int,
+    *,
+    sender: str | None = None,
 ) -> web.Response:
     """Hand the message to the intake; the answer for what became of it."""
     intake = context(request).intake
     try:
         receipt = await intake.receive(
-            body, envelope, source=_source(request, how), size_hint=size_hint
+            body, envelope, source=_source(request, how), size_hint=size_hint, sender=sender
         )
     except Refused as exc:
         if exc.transient:
@@ -86,7 +88,7 @@ async def _once(data: bytes) -> AsyncIterator[bytes]:
 
 async def submit_json(request: web.Request) -> web.Response:
     ctx = context(request)
-    submission = Submission.model_validate_json(await request.read())
+    submission = parse_body(Submission, await request.read())
     hostname = ctx.config.server.resolved_hostname()
     data, envelope = build(submission, hostname=hostname, now_ms=ctx.clock())
     return await _queue(request, _once(data), envelope, "http", len(data))
@@ -94,10 +96,11 @@ async def submit_json(request: web.Request) -> web.Response:
 
 async def submit_raw(request: web.Request) -> web.Response:
     """``POST /api/v1/messages/raw?from=a@x&to=b@y&to=c@z``; without ``to``, the envelope
-    comes from the header fields (``sendmail -t``, Bcc removed)."""
+    come from the header fields (``sendmail -t``, Bcc removed), and ``from`` alone only
+    overrides the sender (``sendmail -t -f``; ``from=`` for the null reverse-path)."""
     recipients = tuple(request.query.getall("to", []))
-    envelope = None
-    if recipients or "from" in request.query:
-        envelope = Envelope(request.query.get("from", ""), recipients)
+    sender = request.query.get("from")
+    envelope = Envelope(sender or "", recipients) if recipients else None
     body = request.content.iter_chunked(READ_SIZE)
-    return await _queue(request, body, envelope, "http-raw", request.content_length or 0)
+    size = request.content_length or 0
+    return await _queue(request, body, envelope, "http-raw", size, sender=sender)

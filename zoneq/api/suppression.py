@@ -10,7 +10,7 @@ from aiohttp import web
 
 from zoneq.api.browse import page_limit
 from zoneq.api.context import context
-from zoneq.api.errors import Conflict
+from zoneq.api.errors import BadRequest, Conflict, parse_body
 from zoneq.api.models import (
     SuppressionAdd,
     SuppressionAdded,
@@ -24,7 +24,7 @@ from zoneq.api.suppression_list import PLUGIN, SuppressionLists
 def _address(request: web.Request) -> str:
     address = request.query.get("address")
     if address is None:
-        raise ValueError("address: required, as ?address=")
+        raise BadRequest("address: required, as ?address=")
     return address
 
 
@@ -52,7 +52,7 @@ async def list_zone(request: web.Request) -> web.Response:
 async def add(request: web.Request) -> web.Response:
     lists = _lists(request)
     zone = request.match_info["zone"]
-    body = SuppressionAdd.model_validate_json(await request.read())
+    body = parse_body(SuppressionAdd, await request.read())
     added, total = await lists.add(zone, body.addresses)
     return web.json_response(SuppressionAdded(zone=zone, added=added, total=total).model_dump())
 

@@ -32,7 +32,7 @@ from zoneq.storage.base import STATE_FAMILY, QueuedRecipient
 from zoneq.storage.records import Recipient, State, recipient_domain
 from zoneq.storage.store import QueueStore
 
-__all__ = ["QUEUED_STATES", "BrowsePage", "QueueAdmin", "Selection"]
+__all__ = ["QUEUED_STATES", "BadCursor", "BrowsePage", "QueueAdmin", "Selection"]
 
 QUEUED_STATES: Final = (State.READY, State.DEFERRED, State.HELD)
 DEFAULT_BATCH: Final = 1000
@@ -63,14 +63,18 @@ def encode_cursor(key: bytes) -> str:
     return base64.urlsafe_b64encode(key).decode().rstrip("=")
 
 
+class BadCursor(ValueError):
+    """A cursor the caller made up or took from another listing: the caller's fault."""
+
+
 def decode_cursor(cursor: str, prefix: bytes) -> bytes:
-    """The key a cursor stands for; ``ValueError`` if it is not one of this listing's."""
+    """The key a cursor stands for; ``BadCursor`` if it is not one of this listing's."""
     try:
         key = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
     except (binascii.Error, ValueError):
-        raise ValueError(f"not a cursor: {cursor!r}") from None
+        raise BadCursor(f"not a cursor: {cursor!r}") from None
     if not key.startswith(prefix) or key == prefix:
-        raise ValueError("cursor belongs to another zone or state; start from the first page")
+        raise BadCursor("cursor belongs to another zone or state; start from the first page")
     return key
 
 

@@ -46,6 +46,7 @@ from zoneq.storage.records import MessageMeta, NewRecipient
 from zoneq.storage.store import DroppedRecipient, QueueStore
 
 __all__ = [
+    "NUL_REFUSED",
     "Envelope",
     "Intake",
     "Receipt",
@@ -63,6 +64,11 @@ _MAX_ADDRESS: Final = 254
 _BROWSED: Final = ("Message-ID", "Subject", "From")
 _MAX_BROWSED_VALUE: Final = 998  # RFC 5322 section 2.1.1: what one line may hold
 _BCC_FIELD: Final = re.compile(rb"^bcc[ \t]*:", re.IGNORECASE)
+# RFC 5321 section 4.5.2 and RFC 2045 sections 2.7-2.8: NUL is not allowed in message text
+# (only BINARYMIME, RFC 3030, would allow it, and a submission does not declare it), and a
+# "\r\n\x00.\r\n" is one of the 2023 SMTP smuggling sequences: a relay that drops the NUL
+# ends the message early and delivers the rest as a second, forged one.
+NUL_REFUSED: Final = "NUL (0x00) is not allowed in message text (RFC 5321 4.5.2, RFC 2045 2.7)"
 
 
 class Unacceptable(ZoneqError):
@@ -212,9 +218,13 @@ def _addresses(fields: Message, names: Iterable[str]) -> list[str]:
     return [addr for _, addr in getaddresses(values) if addr]
 
 
-def envelope_from_headers(fields: Message) -> Envelope:
-    """``sendmail -t``: recipients from To, Cc and Bcc; the sender from Sender or From."""
-    senders = _addresses(fields, ["Sender"]) or _addresses(fields, ["From"])
+def envelope_from_headers(fields: Message, sender: str | None = None) -> Envelope:
+    """``sendmail -t``: recipients from To, Cc and Bcc; the sender from Sender or From,
+    unless ``sender`` is given (``sendmail -t -f``; "" for the null reverse-path)."""
+    if sender is not None:
+        senders = [sender]
+    else:
+        senders = _addresses(fields, ["Sender"]) or _addresses(fields, ["From"])
     if not senders:
         raise Unacceptable("no envelope sender given and no From or Sender field to take it from")
     recipients = tuple(dict.fromkeys(_addresses(fields, ["To", "Cc", "Bcc"])))
@@ -248,8 +258,10 @@ class Intake:
         *,
         source: dict[str, str],
         size_hint: int = 0,
+        sender: str | None = None,
     ) -> Receipt:
-        """Store ``body`` and queue it for ``envelope`` (None: from the headers).
+        """Store ``body`` and queue it for ``envelope`` (None: from the headers, with
+        ``sender`` as the envelope sender if given).
 
         Raises ``Unacceptable``, ``TooLarge`` or ``Refused`` (the client's, or a plugin's
         verdict on it) or a ``TemporaryFailure`` (ours, ``PluginFailure`` included: try
@@ -257,13 +269,17 @@ class Intake:
         """
         if envelope is not None:
             envelope.checked()
+        elif sender:
+            check_address(sender, what="sender")
         if size_hint > self.max_size:
             raise TooLarge(f"message of {size_hint} octets is over {self.max_size}")
         now = self.clock()
         msg_id = self.store.begin(now, size_hint=size_hint)
         landing: asyncio.Future[None] | None = None
         try:
-            meta, envelope, fields, tail = await self._stream(msg_id, now, body, envelope, source)
+            meta, envelope, fields, tail = await self._stream(
+                msg_id, now, body, envelope, source, sender=sender
+            )
             routed = await self._route(envelope, fields, source)
             landing = self.store.commit(
                 meta, routed.queued, self.clock(), tail=tail, dropped=routed.dropped
@@ -322,6 +338,8 @@ class Intake:
         body: AsyncIterable[bytes],
         envelope: Envelope | None,
         source: dict[str, str],
+        *,
+        sender: str | None,
     ) -> tuple[MessageMeta, Envelope, Message, bytes | None]:
         """Write the body's full chunks; the commit's metadata, the envelope, the header
         fields and the tail."""
@@ -334,6 +352,8 @@ class Intake:
             received += len(data)
             if received > self.max_size:
                 raise TooLarge(f"message is over {self.max_size} octets")
+            if data.find(b"\x00") >= 0:  # one C-speed scan per chunk, as it arrives
+                raise Unacceptable(NUL_REFUSED)
             buffer += data
             while len(buffer) >= step:
                 piece = bytes(buffer[:step])
@@ -355,7 +375,7 @@ class Intake:
             eight_bit = eight_bit or not tail.isascii()
             stored += len(tail)
         if envelope is None:
-            envelope = envelope_from_headers(header.fields)
+            envelope = envelope_from_headers(header.fields, sender)
         meta = MessageMeta(
             msg_id=msg_id,
             sender=envelope.sender,
