@@ -1,0 +1,109 @@
+"""``zoneq send``, ``zoneq queue browse|purge|retry|hold|release`` and ``zoneq check-config``
+as a person runs them: real subprocesses of the command line against a real ``zoneq serve``
+(smtp-sink as the MX, dnsmasq as DNS), their ``--json`` output parsed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.api.test_serve_cli import CLI_TIMEOUT_S, ok, zoneq
+from tests.support.bed import ok_test_bed
+from tests.support.serve import ROOT, running_serve
+
+pytestmark = pytest.mark.integration
+
+MESSAGE = (
+    b"From: Alice <alice@src.test>\r\nTo: bob@ok.test\r\nCc: carol@ok.test\r\n"
+    b"Bcc: dave@ok.test\r\nSubject: admin\r\n\r\nHello.\r\n"
+)
+
+
+def addresses(page: dict[str, list[dict[str, str]]]) -> set[tuple[str, str]]:
+    return {(r["message_id"], r["address"]) for r in page["recipients"]}
+
+
+def test_send_and_the_admin_commands_on_a_real_serve(tmp_path: Path) -> None:
+    message = tmp_path / "msg.eml"
+    message.write_bytes(MESSAGE)
+    with ok_test_bed(tmp_path) as (sink, config), running_serve(config, tmp_path / "serve.log"):
+        ok(config, "queue", "pause", "default")  # nothing leaves while the test looks
+
+        # --from without --to: the recipients come from the headers (Bcc too, then removed),
+        # only the envelope sender is the given one; --from "" is the null reverse-path.
+        bounced = ok(config, "send", str(message), "--from", "bounces@src.test")
+        everyone = ["bob@ok.test", "carol@ok.test", "dave@ok.test"]
+        assert bounced["recipients"] == everyone
+        assert ok(config, "queue", "show", bounced["id"])["sender"] == "bounces@src.test"
+        null = ok(config, "send", str(message), "--from", "")
+        assert null["recipients"] == everyone
+        assert ok(config, "queue", "show", null["id"])["sender"] == ""
+        source = zoneq(config, "queue", "source", null["id"])
+        assert "dave" not in source.stdout and source.stdout.endswith("Hello.\n")
+
+        page = ok(config, "queue", "browse", "default", "--limit", "4")
+        assert len(page["recipients"]) == 4 and page["cursor"]
+        rest = ok(config, "queue", "browse", "default", "--cursor", page["cursor"])
+        assert rest["cursor"] is None
+        assert addresses(page) | addresses(rest) == {
+            (m, a) for m in (bounced["id"], null["id"]) for a in everyone
+        }
+
+        assert ok(config, "queue", "hold", null["id"], "--reason", "checking") == {"count": 3}
+        held = ok(config, "queue", "browse", "default", "--state", "held")
+        assert {r["hold_reason"] for r in held["recipients"]} == {"checking"}
+        refused = zoneq(config, "queue", "hold", bounced["id"], "--reason", "x\r\ny")
+        assert refused.returncode == 1 and "control character" in refused.stderr
+        assert ok(config, "queue", "release", null["id"]) == {"count": 3}
+        assert ok(config, "queue", "hold", "--zone", "default") == {"count": 6}
+        assert ok(config, "queue", "release", "--zone", "default") == {"count": 6}
+
+        # Nothing is deferred (the zone is paused): retry counts 0 for a zone or a domain,
+        # and a message with nothing deferred is the API's 409.
+        assert ok(config, "queue", "retry", "--zone", "default", "--domain", "ok.test") == {
+            "count": 0
+        }
+        assert ok(config, "queue", "retry", "--domain", "ok.test") == {"count": 0}
+        nothing = zoneq(config, "queue", "retry", null["id"])
+        assert nothing.returncode == 1 and "no deferred recipients (409)" in nothing.stderr
+        mixed = zoneq(config, "queue", "retry", null["id"], "--domain", "ok.test")
+        assert mixed.returncode == 2 and "--domain" in mixed.stderr
+
+        purged = ok(config, "queue", "purge", "--zone", "default", "--recipient-domain", "ok.test")
+        assert purged == {"count": 6}
+        assert ok(config, "queue", "counts")["messages"] == 0
+        assert sink.messages(0, timeout=0.2) == []
+
+
+def check_config(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "zoneq", "check-config", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('[zones.default]\nconnections = "many"\n', "zones.default.connections"),
+        ('[api]\nlisten = "nowhere"\n', "api.listen"),
+        ("[receiver]\nno_such_setting = 1\n", "receiver.no_such_setting"),
+    ],
+)
+def test_check_config_names_the_key_and_exits_1(tmp_path: Path, text: str, key: str) -> None:
+    path = tmp_path / "zones.toml"
+    path.write_text(text)
+    done = check_config(str(path))
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert f"  {key}" in done.stderr and "problem(s)" in done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def test_check_config_of_good_files_is_ok_and_exits_0(tmp_path: Path) -> None:
+    for args in ((), (str(ROOT / "config" / "zones.toml"),)):
+        done = check_config(*args)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip().endswith(": ok"), done.stdout
