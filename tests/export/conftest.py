@@ -15,6 +15,8 @@ from tests.storage.conftest import (  # noqa: F401  (stores: the storage tests' 
     queue_message,
     stores,
 )
+from zoneq.protocol.provider_replies import PROVIDER_RULES
+from zoneq.protocol.reply_rules import rule_report
 from zoneq.storage.base import Outcome
 from zoneq.storage.store import QueueStore
 
@@ -41,6 +43,11 @@ REPLIES = {
     "delivered": (250, "2.0.0", "250 2.0.0 Ok: queued"),
     "deferred": (451, "4.3.0", "451 4.3.0 Try again later"),
     "deferred-alt": (421, "4.7.0", "421 4.7.0 Too many connections"),
+    "deferred-listed": (
+        554,
+        "5.7.1",
+        "554 5.7.1 Service unavailable; Client host [127.0.0.21] blocked using zen.spamhaus.org",
+    ),
     "bounced": (550, "5.1.1", "550 5.1.1 No such user"),
     "bounced-alt": (554, "5.7.1", "554 5.7.1 Rejected by policy"),
 }
@@ -82,7 +89,13 @@ class Traffic:
                 size = self.store.message(record.msg_id).size
                 variant = self.rng.random() < 0.3
                 key = f"{result}-alt" if variant and result != "delivered" else result
+                if key == "deferred-alt" and self.rng.random() < 0.5:
+                    key = "deferred-listed"
                 code, enhanced, reply = REPLIES[key]
+                # the category as the core decides it (queue/service.py, _judged)
+                category = None
+                if result != "delivered":
+                    category = rule_report(PROVIDER_RULES, code, enhanced, reply).category
                 outcome = Outcome(
                     reply=reply,
                     code=code,
@@ -90,6 +103,7 @@ class Traffic:
                     mx=MX[record.domain],
                     source_ip=self.rng.choice(SOURCES),
                     size=size,
+                    category=category,
                 )
                 if result == "delivered":
                     await self.store.complete(lease, self.now, outcome)

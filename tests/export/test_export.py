@@ -403,12 +403,14 @@ def test_undecodable_text_is_written_not_refused(tmp_path: Path, fmt: Format) ->
         "code": None,
         "enhanced": None,
         "text": "t\ud800",
+        "category": "n\udcffetwork",
     }
     path = tmp_path / f"part{fmt.suffix}"
     assert write_rows(path, [row], EVENT_COLUMNS, fmt) == 1
     if fmt is Format.PARQUET:
         back = pq.read_table(path).to_pylist()[0]
         assert back["recipient"].startswith("b") and "\ufffd" in back["recipient"]
+        assert back["category"].startswith("n\ufffd") and back["category"].endswith("etwork")
     else:
         back = json.loads(path.read_text())
         assert back["recipient"] == "b\udcffd@x.test" and back["text"] == "t\ud800"

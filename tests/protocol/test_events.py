@@ -33,6 +33,7 @@ events = st.builds(
     text=OPTIONAL_TEXT,
     possible_duplicate=st.booleans(),
     recipients=st.integers(1, 100_000),
+    category=OPTIONAL_TEXT,
 )
 
 
@@ -53,10 +54,28 @@ def test_records_round_trip_through_msgpack(event: Event) -> None:
 
 @pytest.mark.parametrize(
     ("change", "problem"),
-    [({"v": 2}, "schema version"), ({"colour": "red"}, "unknown event fields")],
+    [
+        ({"v": 3}, "schema version"),
+        ({"v": None}, "schema version"),
+        ({"colour": "red"}, "unknown event fields"),
+        # version 1 had no category: a record claiming both is not one zoneq wrote
+        ({"v": 1}, "unknown event fields"),
+    ],
 )
 def test_a_record_of_another_schema_is_refused(change: dict[str, object], problem: str) -> None:
     record = event_record(EventKind.ACCEPTED, 1, "z", "m", recipient="", domain="", queued_at_ms=0)
     record.update(change)
     with pytest.raises(ValueError, match=problem):
         Event.from_record(record)
+
+
+@given(events)
+def test_a_version_1_record_decodes_with_no_category(event: Event) -> None:
+    """Databases written before version 2 hold records without ``category``: they still
+    decode, and are written out again as version 2 with a null category."""
+    record = event.to_record()
+    del record["category"]
+    record["v"] = 1
+    decoded = Event.from_record(msgpack.unpackb(msgpack.packb(record)))
+    assert decoded.category is None
+    assert decoded.to_record() == {**record, "v": SCHEMA_VERSION, "category": None}

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
-from zoneq.protocol.events import EVENT_FIELDS, SCHEMA_VERSION
+from zoneq.protocol.events import EVENT_FIELDS, READABLE_VERSIONS, SCHEMA_VERSION
 
 ColumnType = Literal["int32", "int64", "string", "bool"]
 
 EVENT_VERSION: Final = SCHEMA_VERSION
+# What a reader accepts: version 1 exports lack ``category`` (a null column to a reader).
+EVENT_VERSIONS: Final = READABLE_VERSIONS
 QUEUE_VERSION: Final = 1
 
 # (name, type, nullable).  ``id`` is the event's key as 16 hex digits (``ids.format_id``).
@@ -41,6 +43,8 @@ EVENT_COLUMNS: Final[tuple[tuple[str, ColumnType, bool], ...]] = (
     ("text", "string", True),
     ("possible_duplicate", "bool", False),
     ("recipients", "int32", False),
+    # version 2; a version 1 export has no such column, which readers take as null
+    ("category", "string", True),
 )
 
 # One row per queued recipient at export time (``storage.export.queue_records`` plus ``v``
@@ -63,4 +67,11 @@ QUEUE_COLUMNS: Final[tuple[tuple[str, ColumnType, bool], ...]] = (
 # added here, or the export would silently drop it.
 assert {name for name, _, _ in EVENT_COLUMNS} == {"v", "id", *EVENT_FIELDS}
 
-__all__ = ["EVENT_COLUMNS", "EVENT_VERSION", "QUEUE_COLUMNS", "QUEUE_VERSION", "ColumnType"]
+__all__ = [
+    "EVENT_COLUMNS",
+    "EVENT_VERSION",
+    "EVENT_VERSIONS",
+    "QUEUE_COLUMNS",
+    "QUEUE_VERSION",
+    "ColumnType",
+]

@@ -5,6 +5,10 @@ never disagree with the queue), under ``event <time_ms> <seq>``.  The value is a
 with the field names below plus ``v`` (the schema version), so an export is readable without
 this module and a reader can refuse a schema it does not know.
 
+Version 2 added ``category``: why a failure failed (``reply_rules.failure_category``).
+Records of version 1 are still in databases written before it; they decode with no
+category (``READABLE_VERSIONS``) and are written out again as version 2.
+
 Pure: no clock, no I/O; the caller supplies every value.
 """
 
@@ -14,7 +18,10 @@ import enum
 from dataclasses import dataclass, fields
 from typing import Any, Final
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
+READABLE_VERSIONS: Final = frozenset({1, SCHEMA_VERSION})
+# Fields a record of each older version lacks (decoded as their defaults).
+_ADDED_SINCE: Final[dict[int, frozenset[str]]] = {1: frozenset({"category"})}
 
 
 class EventKind(enum.StrEnum):
@@ -50,6 +57,11 @@ class Event:
     # 10,000 recipients would otherwise write 10,000 events in its commit.  ``recipient`` and
     # ``domain`` are then empty and this says how many recipients were queued.
     recipients: int = 1
+    # Why a deferred, bounced, expired or delayed recipient failed: the category of the
+    # reply rule that fits the reply, else the RFC 3463 subject of its status (``network``,
+    # ``policy``, ...; ``reply_rules.failure_category``).  None for every other kind: a
+    # delivered, accepted or dropped recipient did not fail.
+    category: str | None = None
 
     def to_record(self) -> dict[str, Any]:
         return event_record(
@@ -69,14 +81,17 @@ class Event:
             text=self.text,
             possible_duplicate=self.possible_duplicate,
             recipients=self.recipients,
+            category=self.category,
         )
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Event:
         version = record.get("v")
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"event schema version {version!r} is not {SCHEMA_VERSION}")
-        known = {f.name for f in fields(cls)}
+        if not isinstance(version, int) or version not in READABLE_VERSIONS:
+            raise ValueError(
+                f"event schema version {version!r} is not one of {sorted(READABLE_VERSIONS)}"
+            )
+        known = {f.name for f in fields(cls)} - _ADDED_SINCE.get(version, frozenset())
         unknown = set(record) - known - {"v"}
         if unknown:
             raise ValueError(f"unknown event fields: {sorted(unknown)}")
@@ -103,6 +118,7 @@ def event_record(
     text: str | None = None,
     possible_duplicate: bool = False,
     recipients: int = 1,
+    category: str | None = None,
 ) -> dict[str, Any]:
     """The stored form of an event, built without an ``Event`` (the schema's one definition).
 
@@ -128,6 +144,7 @@ def event_record(
         "text": text,
         "possible_duplicate": possible_duplicate,
         "recipients": recipients,
+        "category": category,
     }
 
 

@@ -23,6 +23,11 @@ asking each of them in turn is what the provider asked us not to do.  A positive
 
 Rules are tried in order, the operator's first, then the shipped defaults
 (``provider_replies.py``); the first match wins.
+
+Every failure also gets a *category* for its event (issue 6's "reply texts per category"):
+the category of the rule that fits it, else ``failure_category``'s RFC 3463 subject class.
+The core decides both at once from a worker's report (``rule_report``), since it holds the
+rules and writes the events; ``judge`` is the same for a parsed ``Reply`` and its stage.
 """
 
 from __future__ import annotations
@@ -33,16 +38,27 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
-from zoneq.protocol.replies import Reply, Stage, Verdict, categorize, classify
+from zoneq.protocol.replies import (
+    Category,
+    EnhancedStatus,
+    Reply,
+    Stage,
+    Verdict,
+    categorize,
+    classify,
+)
 
 __all__ = [
     "Judgement",
     "ReplyAction",
     "ReplyRule",
+    "Ruling",
     "code_matches",
     "enhanced_matches",
+    "failure_category",
     "first_match",
     "judge",
+    "rule_report",
 ]
 
 # "4xx", "55x", "421": a reply code, 'x' for any digit (Postfix's access-table habit).
@@ -159,3 +175,47 @@ def judge(reply: Reply, stage: Stage, rules: Iterable[ReplyRule]) -> Judgement:
         if rule is not None:
             return Judgement(_VERDICT[rule.action], rule.category, rule.action)
     return Judgement(verdict, categorize(reply).value)
+
+
+@dataclass(frozen=True, slots=True)
+class Ruling:
+    """What the core makes of a failure a worker reported: the action of the rule that fits
+    (None: no rule fits, the worker's verdict stands) and the category for its event."""
+
+    action: ReplyAction | None
+    category: str
+
+
+def failure_category(code: int | None, enhanced: str | None) -> str:
+    """``categorize`` for a failure as a worker reports it: code (None when no reply came:
+    no MX, connection refused, TLS failed) and enhanced status as text.
+
+    The status decides when it parses, as in ``categorize``: a local failure carries one of
+    its own (X.4.x no answer or unable to route, X.7.x TLS or AUTH not possible; RFC 3463
+    sections 3.5 and 3.8), so it is filed with the remote replies that mean the same.
+    """
+    status = EnhancedStatus.parse(enhanced) if enhanced else None
+    if status is not None and status.klass != 2:
+        # categorize reads only the status when there is one; the code is a carrier of
+        # the status's class, so a status that disagrees with the reply code still counts
+        return categorize(Reply(status.klass * 100, ("",), status)).value
+    if code is not None and 400 <= code <= 599:
+        return categorize(Reply(code, ("",))).value
+    return Category.OTHER.value
+
+
+def rule_report(
+    rules: Iterable[ReplyRule], code: int | None, enhanced: str | None, text: str
+) -> Ruling:
+    """The rule's action and category for a reported failure (``text``: the one-line reply),
+    else no action and ``failure_category``'s category.
+
+    Only a remote negative reply (4yz or 5yz) is matched: zoneq's own texts for a failure
+    without a reply (reported with no code) are not a remote server's words, and a rule
+    must not slow down or rest an address over them.
+    """
+    if text and code is not None and code >= 400:
+        rule = first_match(rules, code, enhanced, text)
+        if rule is not None:
+            return Ruling(rule.action, rule.category)
+    return Ruling(None, failure_category(code, enhanced))

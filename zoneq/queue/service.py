@@ -56,7 +56,7 @@ from zoneq.plugin.host import PluginHost
 from zoneq.protocol.dsn import Action
 from zoneq.protocol.ids import format_id, id_time_ms
 from zoneq.protocol.replies import Reply, reply_from_text
-from zoneq.protocol.reply_rules import ReplyAction
+from zoneq.protocol.reply_rules import ReplyAction, rule_report
 from zoneq.protocol.retry import RetrySchedule
 from zoneq.queue.bounces import FULL_RETURN_LIMIT, HEADER_LIMIT, Failure, compose
 from zoneq.queue.feedback import DomainFeedback
@@ -117,6 +117,7 @@ class RecipientOutcome:
     mx: str | None = None
     source_ip: str | None = None
     possible_duplicate: bool = False
+    category: str | None = None  # a failure's, decided by the core (``_judged``)
 
 
 @dataclass(slots=True)
@@ -391,6 +392,7 @@ class QueueService:
                 source_ip=item.source_ip,
                 possible_duplicate=item.possible_duplicate,
                 size=running.size,
+                category=item.category,
             )
             if item.result is Result.DELIVERED:
                 work.append(_guarded(item.token, self._store.complete(lease, now, outcome)))
@@ -446,21 +448,21 @@ class QueueService:
         """Feed a failure's reply to the zone's feedback (``feedback.py``), and let the reply
         rule that fits it decide between deferring and bouncing (``reply_rules.py``): a
         block of our address or a "slow down" under a 5xx defers, and the rules say which
-        4xx texts are permanent in truth."""
+        4xx texts are permanent in truth.  The failure's category for its events (issue 6)
+        is the same rule's, else the reply's RFC 3463 class (``rule_report``)."""
         if item.result not in (Result.DEFERRED, Result.BOUNCED):
             return item
         feedback = self._zone(running.zone).slots.feedback
-        if feedback is None:
-            return item
-        action = feedback.observe(
-            running.domain, item.code, item.enhanced, item.reply, item.source_ip
-        )
-        if action is ReplyAction.SLOW_DOWN:  # a lower limit: idle connections above it close
-            self._zone(running.zone).slots.trim_domain(running.domain)
-        result = _RULED.get(action) if action is not None else None
-        if result is None or result is item.result:
-            return item
-        return replace(item, result=result)
+        rules = feedback.rules if feedback is not None else ()
+        ruling = rule_report(rules, item.code, item.enhanced, item.reply)
+        action = ruling.action
+        result: Result = item.result
+        if feedback is not None and action is not None:
+            feedback.note(running.domain, action, item.source_ip)
+            if action is ReplyAction.SLOW_DOWN:  # a lower limit: idle ones above it close
+                self._zone(running.zone).slots.trim_domain(running.domain)
+            result = _RULED[action]
+        return replace(item, result=result, category=ruling.category)
 
     def _tell_plugins(
         self, told: list[tuple[Lease, RecipientOutcome, _Running]], accepted: list[int]

@@ -82,6 +82,8 @@ class Outcome:
     # The message's size in octets, for the event (issue 6: every event carries it).  The
     # caller knows it from the job it handed out, which saves a metadata read per outcome.
     size: int = 0
+    # Why it failed, for the event (``reply_rules.rule_report``); None when delivered.
+    category: str | None = None
 
 
 class StoreBase:
@@ -347,6 +349,7 @@ class StoreBase:
                 enhanced=outcome.enhanced,
                 text=outcome.reply or None,
                 possible_duplicate=outcome.possible_duplicate,
+                category=outcome.category,
             )
         )
 
