@@ -95,22 +95,29 @@ def rates_by(events: list[Row], key: str, missing: str) -> list[Row]:
     return sorted(rows, key=lambda r: (r["zone"], -r["attempts"], r[key]))
 
 
+def category(e: Row) -> str:
+    """A failure's category: its own, or (schema version 1: none) its outcome."""
+    return e.get("category") or e["kind"]
+
+
 def replies(events: list[Row], top: int = 10) -> list[Row]:
-    counts: Counter[tuple[str, str, str, str, str]] = Counter()
+    counts: Counter[tuple[str, str, str, str, str, str]] = Counter()
     for e in events:
         if e["kind"] in REPLY_KINDS:
             code = "" if e["code"] is None else str(e["code"])
-            counts[(e["zone"], e["kind"], code, e["enhanced"] or "", e["text"] or "")] += 1
-    per: dict[tuple[str, str], list[tuple[int, str, str, str]]] = defaultdict(list)
-    for (zone, kind, code, enhanced, text), n in counts.items():
-        per[(zone, kind)].append((n, text, code, enhanced))
+            key = (e["zone"], category(e), e["kind"], code, e["enhanced"] or "", e["text"] or "")
+            counts[key] += 1
+    per: dict[tuple[str, str], list[tuple[int, str, str, str, str]]] = defaultdict(list)
+    for (zone, cat, kind, code, enhanced, text), n in counts.items():
+        per[(zone, cat)].append((n, text, code, enhanced, kind))
     rows = []
-    for (zone, kind), items in sorted(per.items()):
-        items.sort(key=lambda i: (-i[0], i[1], i[2], i[3]))
-        for rank, (n, text, code, enhanced) in enumerate(items[:top], 1):
+    for (zone, cat), items in sorted(per.items()):
+        items.sort(key=lambda i: (-i[0], i[1], i[2], i[3], i[4]))
+        for rank, (n, text, code, enhanced, kind) in enumerate(items[:top], 1):
             rows.append(
                 {
                     "zone": zone,
+                    "category": cat,
                     "outcome": kind,
                     "code": code,
                     "enhanced": enhanced,
@@ -120,6 +127,20 @@ def replies(events: list[Row], top: int = 10) -> list[Row]:
                 }
             )
     return rows
+
+
+def categories(events: list[Row]) -> list[Row]:
+    counts: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+    for e in events:
+        if e["kind"] in REPLY_KINDS:
+            counts[(e["zone"], category(e))][e["kind"]] += 1
+    rows = [
+        {"zone": zone, "category": cat}
+        | {k: c[k] for k in REPLY_KINDS}
+        | {"events": sum(c.values())}
+        for (zone, cat), c in counts.items()
+    ]
+    return sorted(rows, key=lambda r: (r["zone"], -r["events"], r["category"]))
 
 
 def queue_age(queue: list[Row]) -> list[Row]:
@@ -160,6 +181,7 @@ def all_tables(events: list[Row], queue: list[Row]) -> dict[str, list[Row]]:
         "mx": lambda: rates_by(events, "mx", "(no MX reached)"),
         "sources": lambda: rates_by(events, "source_ip", "(none)"),
         "replies": lambda: replies(events),
+        "categories": lambda: categories(events),
         "queue_age": lambda: queue_age(queue),
         "queue_domains": lambda: queue_domains(queue),
     }

@@ -25,7 +25,7 @@ def event(i: int) -> dict[str, Any]:
     rng = random.Random(i)
     kind = rng.choice(["accepted", "delivered", "deferred", "bounced"])
     return {
-        "v": 1,
+        "v": 2,
         "id": f"{i:016x}",
         "kind": kind,
         "time_ms": 1_700_000_000_000 + i,
@@ -41,6 +41,9 @@ def event(i: int) -> dict[str, Any]:
         "code": rng.choice([None, 250, 451]),
         "enhanced": rng.choice([None, "4.3.0"]),
         "text": rng.choice([None, 'quoted "text"\\ and ünïcode', "Try again"]),
+        "category": None
+        if kind in ("accepted", "delivered")
+        else rng.choice(["network", "policy"]),
         "possible_duplicate": False,
         "recipients": rng.randint(1, 9),
     }

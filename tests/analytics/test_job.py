@@ -29,9 +29,10 @@ from tests.export.conftest import ZONES, Traffic
 from tests.support.testbed import missing
 from zoneq.analytics import classcache, job, session
 from zoneq.analytics.errors import AnalyticsError
-from zoneq.export.files import Format
+from zoneq.export.files import Format, write_rows
 from zoneq.export.run import export_events, export_queue
 from zoneq.export.sources import DirectorySource
+from zoneq.protocol.columns import EVENT_COLUMNS
 from zoneq.storage.export import event_records, queue_records
 from zoneq.storage.store import QueueStore
 
@@ -159,7 +160,7 @@ def test_html_report_holds_each_zone_and_chart(parquet_report: job.Report) -> No
     page.feed(parquet_report.html.read_text(encoding="utf-8"))
     page.close()
     assert sorted(page.zones) == sorted(ZONES)
-    expected = {"outcomes", "latency", "queue-age"}
+    expected = {"outcomes", "categories", "latency", "queue-age"}
     expected |= {f"hourly:{zone}" for zone in ZONES} | {f"domains:{zone}" for zone in ZONES}
     assert set(page.charts) == expected
     for png in page.charts.values():
@@ -181,19 +182,71 @@ def test_json_lines_exports_give_the_same_tables(
 
 
 def _copy_with_version(source: str, target: Path, version: int) -> Path:
+    """A copy of a JSON lines export with every event row of schema ``version``; version 1
+    rows lose the ``category`` field, as an older zoneq wrote them."""
     shutil.copytree(source, target)
     for path in (target / "events").rglob("part-*.jsonl"):
-        rows = [json.loads(line) for line in path.read_text().splitlines()]
-        path.write_text("".join(json.dumps(r | {"v": version}) + "\n" for r in rows))
+        rows = [json.loads(line) | {"v": version} for line in path.read_text().splitlines()]
+        if version == 1:
+            rows = [{k: v for k, v in row.items() if k != "category"} for row in rows]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return target
+
+
+def _as_parquet(jsonl_export: Path, target: Path) -> Path:
+    """The same export in Parquet files with version 1's columns: no ``category`` column
+    at all, as an older zoneq wrote them."""
+    v1_columns = [column for column in EVENT_COLUMNS if column[0] != "category"]
+    for path in (jsonl_export / "events").rglob("part-*.jsonl"):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        part = target / path.relative_to(jsonl_export).with_suffix(".parquet")
+        write_rows(part, rows, v1_columns, Format.PARQUET)
+        assert "category" not in pq.read_schema(part).names
+    return target
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "jsonl-spark-reader"])
+def test_a_version_1_export_still_reports_with_outcomes_as_categories(
+    spark: Any, exports: Exports, tmp_path: Path, fmt: str
+) -> None:
+    """Exports written before categories: every figure as before, and each failure filed
+    under its outcome, as the plain-Python reference does for events without a category."""
+    old = _copy_with_version(exports.dirs[Format.JSONL][0], tmp_path / "v1", 1)
+    rows = [json.loads(line) for p in (old / "events").rglob("*.jsonl") for line in p.open()]
+    assert rows and all("category" not in row for row in rows)
+    source = _as_parquet(old, tmp_path / "v1-parquet") if fmt == "parquet" else old
+    report = job.build_report(spark, [str(source)], tmp_path / "out", json_on_driver=fmt == "jsonl")
+    assert report.events == len(rows)
+    for name in ("zones", "replies", "categories"):
+        _same(report.tables[name], reference.all_tables(rows, [])[name], name)
+    kinds = {r["category"] for r in report.tables["categories"]}
+    assert kinds <= set(reference.REPLY_KINDS) and {"deferred", "bounced"} <= kinds
+
+
+def test_the_replies_rank_within_each_category(parquet_report: job.Report) -> None:
+    """The categories the core gave (schema version 2): the shipped rule's name for the
+    block list reply, the RFC 3463 classes for the rest; ranks count from 1 in each."""
+    replies = parquet_report.tables["replies"]
+    listed = [r for r in replies if "spamhaus" in r["text"]]
+    assert listed and {r["category"] for r in listed} == {"blocklisted"}
+    assert {r["category"] for r in replies if r["enhanced"] == "5.1.1"} == {"addressing"}
+    groups: dict[tuple[str, str], list[int]] = {}
+    for row in replies:
+        groups.setdefault((row["zone"], row["category"]), []).append(row["rank"])
+    assert all(ranks == list(range(1, len(ranks) + 1)) for ranks in groups.values())
+    # one category holds both outcomes of a text (a deferral, and its expiry at the end)
+    assert any(len({r["outcome"] for r in replies if (r["zone"], r["category"]) == g}) > 1
+               for g in groups)  # fmt: skip
 
 
 @pytest.mark.parametrize("on_driver", [True, False], ids=["pyarrow", "spark-reader"])
 def test_another_schema_version_is_refused_clearly(
     spark: Any, exports: Exports, tmp_path: Path, on_driver: bool
 ) -> None:
-    newer = _copy_with_version(exports.dirs[Format.JSONL][0], tmp_path / "v2", 2)
-    with pytest.raises(AnalyticsError, match=r"schema version 2; this zoneq reads version 1"):
+    newer = _copy_with_version(exports.dirs[Format.JSONL][0], tmp_path / "v3", 3)
+    with pytest.raises(
+        AnalyticsError, match=r"schema version 3; this zoneq reads versions 1 and 2 only"
+    ):
         job.build_report(spark, [str(newer)], tmp_path / "out", json_on_driver=on_driver)
     assert not (tmp_path / "out").exists()  # nothing written from a refused export
 

@@ -26,6 +26,7 @@ from zoneq.analytics.tables import (
     HOURLY,
     RATE_FACETS,
     REPLY,
+    REPLY_KINDS,
 )
 
 Order = Sequence[tuple[str, str]]
@@ -144,11 +145,13 @@ def _ratio(numerator: pa.ChunkedArray, denominator: pa.ChunkedArray) -> pa.Chunk
 
 
 def replies(facets: pa.Table) -> pa.Table:
-    """Per zone and category (outcome): the most frequent reply texts (ranked by Spark)."""
+    """Per zone and failure category: the most frequent reply texts (ranked by Spark), with
+    the outcome each came with."""
     rows = _facet(facets, REPLY)
     table = pa.table(
         {
             "zone": rows["zone"],
+            "category": rows["s4"],
             "outcome": rows["kind"],
             "code": rows["s2"],
             "enhanced": rows["s3"],
@@ -157,7 +160,23 @@ def replies(facets: pa.Table) -> pa.Table:
             "rank": pc.cast(rows["rank"], pa.int32()),
         }
     )
-    return sort(table, [("zone", _ASC), ("outcome", _ASC), ("rank", _ASC)])
+    return sort(table, [("zone", _ASC), ("category", _ASC), ("rank", _ASC)])
+
+
+def categories(facets: pa.Table) -> pa.Table:
+    """Per zone and failure category: its events of each failed outcome and in all, the
+    most frequent first (summed from the hourly rows, which carry the category)."""
+    rows = _facet(facets, HOURLY)
+    rows = rows.filter(pc.is_valid(rows["s4"]))
+    keyed = pa.table(
+        {"zone": rows["zone"], "category": rows["s4"], "kind": rows["kind"], "n": rows["n"]}
+    )
+    counts = _pivot(keyed, ["zone", "category"], "n", REPLY_KINDS)
+    total = counts[REPLY_KINDS[0]]
+    for kind in REPLY_KINDS[1:]:
+        total = pc.add(total, counts[kind])
+    table = counts.append_column("events", total)
+    return sort(table, [("zone", _ASC), ("events", _DESC), ("category", _ASC)])
 
 
 def event_tables(facets: pa.Table) -> dict[str, pa.Table]:
@@ -170,6 +189,7 @@ def event_tables(facets: pa.Table) -> dict[str, pa.Table]:
     for name, (facet, key, label) in RATE_FACETS.items():
         made[name] = rates(facets, facet, key, label)
     made["replies"] = replies(facets)
+    made["categories"] = categories(facets)
     return made
 
 

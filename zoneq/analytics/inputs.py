@@ -13,7 +13,7 @@ where ``zoneq export`` keeps its unfinished files and its watermark.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 from urllib.parse import urlparse
@@ -25,6 +25,7 @@ from zoneq.analytics.errors import AnalyticsError
 from zoneq.protocol.columns import (
     EVENT_COLUMNS,
     EVENT_VERSION,
+    EVENT_VERSIONS,
     QUEUE_COLUMNS,
     QUEUE_VERSION,
     ColumnType,
@@ -53,6 +54,7 @@ EVENT_USED: Final = (
     "enhanced",
     "text",
     "recipients",
+    "category",
 )
 
 
@@ -147,25 +149,29 @@ def count_versions(frame: DataFrame) -> dict[int | None, int]:
     return {row["v"]: row["count"] for row in frame.groupBy("v").count().collect()}
 
 
-def check_versions(versions: Mapping[int | None, int], expected: int, what: str) -> int:
-    """The rows counted per schema version, refusing any version but ``expected``; how
+def check_versions(versions: Mapping[int | None, int], expected: Collection[int], what: str) -> int:
+    """The rows counted per schema version, refusing any version not in ``expected``; how
     many rows.
 
     The counts come out of the job's first aggregation (``v`` is one of its keys), so the
     check costs no pass over the data of its own.
     """
-    others = sorted((v for v in versions if v != expected), key=lambda v: (v is None, v))
+    others = sorted((v for v in versions if v not in expected), key=lambda v: (v is None, v))
     if others:
         shown = ", ".join("missing" if v is None else str(v) for v in others)
+        known = sorted(expected)
+        readable = " and ".join(map(str, known))
         raise AnalyticsError(
-            f"the {what} export has schema version {shown}; this zoneq reads version "
-            f"{expected} only (export again with a matching zoneq)"
+            f"the {what} export has schema version {shown}; this zoneq reads "
+            f"version{'s' if len(known) > 1 else ''} {readable} only "
+            "(export again with a matching zoneq)"
         )
     return sum(versions.values())
 
 
 __all__ = [
     "EVENT_VERSION",
+    "EVENT_VERSIONS",
     "FORMATS",
     "QUEUE_VERSION",
     "check_versions",

@@ -42,7 +42,7 @@ from pyspark.sql import DataFrame, SparkSession
 from zoneq.analytics import classcache, convert, derive, inputs, session, tables
 from zoneq.analytics.errors import AnalyticsError
 from zoneq.analytics.java import check_java, java_command
-from zoneq.protocol.columns import EVENT_VERSION, QUEUE_COLUMNS, QUEUE_VERSION
+from zoneq.protocol.columns import EVENT_VERSIONS, QUEUE_COLUMNS, QUEUE_VERSION
 
 REPORT_FILE: Final = "report.html"
 REPORT_MODULE: Final = "zoneq.analytics.report"  # matplotlib: imported while the JVM starts
@@ -66,6 +66,7 @@ TABLES: Final = (
     "mx",
     "sources",
     "replies",
+    "categories",
     "queue_age",
     "queue_domains",
 )
@@ -216,8 +217,8 @@ def _build(
         finally:
             if cached:
                 events.unpersist()
-    count = inputs.check_versions(results.versions, EVENT_VERSION, "event")
-    queued = inputs.check_versions(results.queue_versions, QUEUE_VERSION, "queue")
+    count = inputs.check_versions(results.versions, EVENT_VERSIONS, "event")
+    queued = inputs.check_versions(results.queue_versions, {QUEUE_VERSION}, "queue")
     log.debug("tables and charts: %.1f s", time.monotonic() - started)
     out.mkdir(parents=True, exist_ok=True)
     for name in TABLES:
@@ -233,8 +234,8 @@ def _build(
 def _refuse_other_versions(events: DataFrame, queue: DataFrame) -> None:
     """``AnalyticsError`` if either export holds another schema version (else nothing)."""
     for frame, expected, what in (
-        (events, EVENT_VERSION, "event"),
-        (queue, QUEUE_VERSION, "queue"),
+        (events, EVENT_VERSIONS, "event"),
+        (queue, {QUEUE_VERSION}, "queue"),
     ):
         try:
             versions = inputs.count_versions(frame)

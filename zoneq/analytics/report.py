@@ -1,10 +1,11 @@
 """The HTML report: one self-contained file, tables and PNG charts (base64) per zone.
 
 People read charts faster than tables (issue 6), so every zone gets its hourly volumes and
-its worst destination domains as charts, and the whole export gets outcome, latency and
-queue-age charts across zones.  The charts are drawn with matplotlib's Agg backend (no
-display needed) and embedded as ``data:`` URIs, so the file can be mailed or archived
-alone.  This module does not touch Spark: it renders rows the job has already collected.
+its worst destination domains as charts, and the whole export gets outcome, failure
+category, latency and queue-age charts across zones.  The charts are drawn with
+matplotlib's Agg backend (no display needed) and embedded as ``data:`` URIs, so the file
+can be mailed or archived alone.  This module does not touch Spark: it renders rows the
+job has already collected.
 
 Charts are drawn on their own ``Figure`` objects, never through pyplot's global state, so
 ``draw_charts`` may run while other threads work (the job draws each chart as soon as its
@@ -31,6 +32,7 @@ Charts = dict[str, str]  # chart id -> base64 PNG
 MAX_ZONE_CHARTS: Final = 25  # zones with their own charts, the busiest first
 MAX_TABLE_ROWS: Final = 50  # rows shown per zone and table (the CSV files have them all)
 TOP_DOMAINS_CHARTED: Final = 10
+TOP_CATEGORIES_CHARTED: Final = 20  # (zone, category) bars in the failures chart
 OUTCOME_COLOURS: Final = {
     "accepted": "#4c72b0",
     "delivered": "#55a868",
@@ -47,6 +49,9 @@ attempt).</li>
 <li><b>deferral rate</b> = deferred / attempts; <b>bounce rate</b> = (bounced + expired) /
 (delivered + bounced + expired).</li>
 <li><b>latency</b>: delivered time minus queued-at time; percentiles are nearest-rank.</li>
+<li><b>category</b> of a failure (deferred, bounced, expired, delayed): the reply rule's that
+fits its reply, else the reply's RFC 3463 class (network, policy, addressing, ...); events of
+exports older than categories are filed under their outcome.</li>
 <li><b>queue age</b>: now minus queued-at, at the time of each node's last queue export.</li>
 <li>Times are UTC.</li>
 </ul>
@@ -84,12 +89,18 @@ def _img(chart_id: str, title: str, charts: Charts) -> str:
 
 
 def _outcomes_chart(zones: Rows) -> Figure:
-    fig = _figure(max(2.0, 0.4 * len(zones) + 1))
-    ax = fig.subplots()
     names = [row["zone"] for row in zones]
-    left = [0.0] * len(zones)
-    for kind in ("delivered", "deferred", "bounced", "expired", "dropped"):
-        values = [float(row[kind]) for row in zones]
+    kinds = ("delivered", "deferred", "bounced", "expired", "dropped")
+    return _stacked_bars(names, zones, kinds, 0.4)
+
+
+def _stacked_bars(names: list[str], rows: Rows, kinds: Sequence[str], per_bar: float) -> Figure:
+    """One horizontal bar per row, named ``names``, its ``kinds`` counts stacked."""
+    fig = _figure(max(2.0, per_bar * len(rows) + 1))
+    ax = fig.subplots()
+    left = [0.0] * len(rows)
+    for kind in kinds:
+        values = [float(row[kind]) for row in rows]
         ax.barh(names, values, left=left, label=kind, color=OUTCOME_COLOURS[kind])
         left = [a + b for a, b in zip(left, values, strict=True)]
     ax.set_xlabel("events")
@@ -154,6 +165,14 @@ def _domains_chart(rows: Rows) -> Figure:
     return fig
 
 
+def _categories_chart(rows: Rows) -> Figure:
+    """The most frequent failure categories across zones, split by outcome."""
+    top = sorted(rows, key=lambda row: (-row["events"], row["zone"], row["category"]))
+    top = top[:TOP_CATEGORIES_CHARTED][::-1]  # barh draws bottom up: the largest on top
+    names = [f"{row['zone']}: {row['category']}" for row in top]
+    return _stacked_bars(names, top, ("deferred", "bounced", "expired", "delayed"), 0.35)
+
+
 def _table(rows: Rows, columns: Sequence[str] | None = None) -> str:
     if not rows:
         return "<p><i>none</i></p>"
@@ -184,8 +203,8 @@ def _charted_zones(zones: Rows) -> list[str]:
 
 def draw_charts(tables: Mapping[str, Rows]) -> Charts:
     """Every chart ``tables`` has the rows for: ``delivery`` gives the latency chart,
-    ``queue_age`` the queue-age chart, and ``zones`` with ``hourly`` and ``domains`` the
-    outcome chart and each busy zone's two."""
+    ``queue_age`` the queue-age chart, ``categories`` the failures-by-category chart, and
+    ``zones`` with ``hourly`` and ``domains`` the outcome chart and each busy zone's two."""
     drawn: Charts = {}
 
     def draw(chart_id: str, make: Callable[[Rows], Figure], rows: Rows) -> None:
@@ -194,6 +213,7 @@ def draw_charts(tables: Mapping[str, Rows]) -> Charts:
 
     draw("latency", _latency_chart, tables.get("delivery", []))
     draw("queue-age", _queue_chart, tables.get("queue_age", []))
+    draw("categories", _categories_chart, tables.get("categories", []))
     if {"zones", "hourly", "domains"} <= tables.keys():
         draw("outcomes", _outcomes_chart, tables["zones"])
         for zone in _charted_zones(tables["zones"]):
@@ -221,6 +241,8 @@ def render(
     ]
     if "outcomes" in drawn:
         parts.append(_img("outcomes", "Outcomes per zone", drawn))
+    if "categories" in drawn:
+        parts.append(_img("categories", "Failures by category", drawn))
     if tables["delivery"]:
         parts.append(_table(tables["delivery"]))
     if "latency" in drawn:
@@ -249,7 +271,8 @@ def _zone_section(zone: str, tables: dict[str, Rows], charts: Charts) -> str:
         ("By destination domain", "domains"),
         ("By MX host", "mx"),
         ("By source address", "sources"),
-        ("Most frequent replies", "replies"),
+        ("Failures by category", "categories"),
+        ("Most frequent replies per category", "replies"),
         ("Queue by state", "queue_age"),
         ("Queue by destination domain", "queue_domains"),
     ):

@@ -13,7 +13,10 @@ Definitions (the HTML report repeats them next to each table):
   below it), as Spark's ``percentile_approx`` gives exactly while a group has fewer than
   ``PERCENTILE_ACCURACY`` values, and within 1/``PERCENTILE_ACCURACY`` of the rank above;
 * ``recipients`` in the hourly volumes counts an accepted event as the recipients it
-  queued (one event per message and zone, ``events.py``) and every other event as one.
+  queued (one event per message and zone, ``events.py``) and every other event as one;
+* a failure's *category* (deferred, bounced, expired, delayed) is the event's ``category``
+  (the reply rule's, else the reply's RFC 3463 class; event schema version 2); an event
+  without one (schema version 1) is filed under its outcome, as reports did before.
 
 Times are UTC (the session's time zone is set to UTC in ``session.py``).
 
@@ -56,21 +59,25 @@ ATTEMPTS: Final = 1  # num: the attempt number of a delivered event
 DOMAIN: Final = 2
 SOURCE: Final = 4  # s1: the source address of an attempt (NO_SOURCE when none)
 REPLY: Final = 5  # s1, s2, s3: text, code, enhanced code of a reply (top TOP_REPLIES only)
+# s4: a failure's category, on its HOURLY and REPLY rows (null on every other row).  On the
+# hourly rows it costs no row of its own: the outcomes by category are summed from them.
 # table -> (the facet its rows come from, the key column holding its label, the label)
 RATE_FACETS: Final = {
     "domains": (DOMAIN, "s1", "domain"),
     "mx": (DOMAIN, "s2", "mx"),
     "sources": (SOURCE, "s1", "source_ip"),
 }
-FACET_KEYS: Final = ("v", "zone", "kind", "facet", "num", "s1", "s2", "s3")
+FACET_KEYS: Final = ("v", "zone", "kind", "facet", "num", "s1", "s2", "s3", "s4")
 
 
 def _facet(
     facet: int,
     num: Column | None = None,
+    *,
     s1: Column | None = None,
     s2: Column | None = None,
     s3: Column | None = None,
+    s4: Column | None = None,
 ) -> Column:
     """One facet row; the keys it does not use are null (Columns need a session: built
     here, not at import)."""
@@ -78,7 +85,7 @@ def _facet(
     return F.struct(
         F.lit(facet).alias("facet"),
         (F.lit(None) if num is None else num).cast("long").alias("num"),
-        *((text if c is None else c).alias(f"s{i}") for i, c in enumerate((s1, s2, s3), 1)),
+        *((text if c is None else c).alias(f"s{i}") for i, c in enumerate((s1, s2, s3, s4), 1)),
     )
 
 
@@ -87,15 +94,17 @@ def facets(events: DataFrame) -> DataFrame:
 
     ``weight`` is the recipients an accepted event queued and 1 for any other event (the
     hourly volumes' unit).  The schema version ``v`` is a key as well, so the same pass
-    also checks the export's version.  Reply lines are ranked here (``rank``, among the
-    zone's replies of that outcome) and only the first ``TOP_REPLIES`` leave Spark: reply
-    texts can carry queue ids and be nearly unique, and the driver should not get them all.
+    also checks the export's version (on the hourly rows; null on the others).  Reply lines
+    are ranked here (``rank``, among the zone's replies of that category, whatever their
+    outcome) and only the first ``TOP_REPLIES`` leave Spark: reply texts can carry queue
+    ids and be nearly unique, and the driver should not get them all.
     """
     kind = F.col("kind")
     tried = kind.isin(*ATTEMPT_KINDS)
     replied = kind.isin(*REPLY_KINDS)
+    category = F.when(replied, F.coalesce(F.col("category"), kind))
     rows = F.array(
-        _facet(HOURLY, F.floor(F.col("time_ms") / HOUR_MS)),
+        _facet(HOURLY, F.floor(F.col("time_ms") / HOUR_MS), s4=category),
         F.when(kind == "delivered", _facet(ATTEMPTS, F.col("attempt"))),
         F.when(tried, _facet(DOMAIN, s1=F.col("domain"), s2=F.coalesce(F.col("mx"), F.lit(NO_MX)))),
         F.when(tried, _facet(SOURCE, s1=F.coalesce(F.col("source_ip"), F.lit(NO_SOURCE)))),
@@ -106,6 +115,7 @@ def facets(events: DataFrame) -> DataFrame:
                 s1=F.coalesce(F.col("text"), F.lit("")),
                 s2=F.coalesce(F.col("code").cast("string"), F.lit("")),
                 s3=F.coalesce(F.col("enhanced"), F.lit("")),
+                s4=category,
             ),
         ),
     )
@@ -113,10 +123,14 @@ def facets(events: DataFrame) -> DataFrame:
     exploded = events.select(
         "v", "zone", "kind", weight.alias("weight"), F.explode(rows).alias("f")
     ).where(F.col("f").isNotNull())
+    # The version is counted on the hourly rows (one per event); elsewhere it would only
+    # split a reply line of version 1 and 2 exports read together into two ranked rows.
+    exploded = exploded.withColumn("v", F.when(F.col("f.facet") == HOURLY, F.col("v")))
     counts = exploded.groupBy(
         "v", "zone", "kind", *(F.col(f"f.{key}").alias(key) for key in FACET_KEYS[3:])
     ).agg(F.count(F.lit(1)).alias("n"), F.sum("weight").cast("long").alias("weight"))
-    order = Window.partitionBy("facet", "zone", "kind").orderBy(F.desc("n"), "s1", "s2", "s3")
+    # Only the REPLY rows' rank is used: within their zone and category (``s4``).
+    order = Window.partitionBy("facet", "zone", "s4").orderBy(F.desc("n"), "s1", "s2", "s3", "kind")
     ranked = counts.withColumn("rank", F.row_number().over(order))
     return ranked.where((F.col("facet") != REPLY) | (F.col("rank") <= TOP_REPLIES))
 
