@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from zoneq.config.reply_rules import ReplyRulesConfig
-from zoneq.protocol.reply_rules import ReplyAction, ReplyRule, first_match
+from zoneq.protocol.reply_rules import ReplyAction, ReplyRule, rule_report
 from zoneq.queue.scheduler import RateLimiter
 
 __all__ = ["DomainFeedback"]
@@ -76,14 +76,13 @@ class DomainFeedback:
         source_ip: str | None = None,
     ) -> ReplyAction | None:
         """Apply the rule that fits a reply to ``domain`` (as a worker reports it: code,
-        status, one-line text); the action taken, None when no rule fits."""
-        if not reply or code is None or code < 400:
-            return None
-        rule = first_match(self.rules, code, enhanced, reply)
-        if rule is None:
-            return None
-        self.note(domain, rule.action, source_ip)
-        return rule.action
+        status, one-line text); the action taken, None when no rule fits.  The core's
+        report path calls ``rule_report`` itself (it needs the category too), then
+        ``note``; this is the same in one step."""
+        action = rule_report(self.rules, code, enhanced, reply).action
+        if action is not None:
+            self.note(domain, action, source_ip)
+        return action
 
     def note(self, domain: str, action: ReplyAction, source_ip: str | None = None) -> None:
         now = self.clock()
