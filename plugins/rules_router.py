@@ -20,7 +20,7 @@ from fnmatch import fnmatchcase
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from zoneq.plugin import Hook, PluginApp, RouteArgs
+from zoneq.plugin import Hook, OptionError, PluginApp, RouteArgs
 
 
 class Rule(BaseModel):
@@ -54,9 +54,13 @@ class Options(BaseModel):
 def init(app: PluginApp) -> None:
     options = app.options
     assert isinstance(options, Options)
-    unknown = sorted({rule.zone for rule in options.rules} - set(app.config.zones))
-    if unknown:
-        raise ValueError(f"rules name zones not defined in [zones]: {', '.join(unknown)}")
+    faults = [
+        OptionError(("rules", index, "zone"), f"zone {rule.zone!r} is not defined in [zones]")
+        for index, rule in enumerate(options.rules)
+        if rule.zone not in app.config.zones
+    ]
+    if faults:  # every one named, so that one check-config run lists them all
+        raise ExceptionGroup("rules name zones not defined in [zones]", faults)
 
     # Plain (not async) is fine for work this small; the host runs it in a thread.
     def route(args: RouteArgs) -> str | None:

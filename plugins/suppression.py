@@ -41,7 +41,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from zoneq.plugin import Drop, EnhancedStatus, Hook, PluginApp, Reply, RouteArgs
+from zoneq.plugin import Drop, EnhancedStatus, Hook, OptionError, PluginApp, Reply, RouteArgs
 
 ALL_ZONES = "*"
 
@@ -165,7 +165,10 @@ class SuppressionList:
 def init(app: PluginApp) -> None:
     options = app.options
     assert isinstance(options, Options)
-    listed = SuppressionList(options.file)
+    try:
+        listed = SuppressionList(options.file)
+    except (OSError, ValueError) as exc:
+        raise OptionError(("file",), f"cannot load the list: {exc}") from None
 
     # At queue:route the zone is known (the list is per zone) and this runs at RCPT time,
     # so a refusal reaches the client as the RCPT reply.  A plain function: the stat and

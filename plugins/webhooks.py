@@ -41,7 +41,7 @@ from typing import Any, Final
 import aiohttp
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
 
-from zoneq.plugin import Hook, OutcomeArgs, PluginApp
+from zoneq.plugin import Hook, OptionError, OutcomeArgs, PluginApp
 
 EVENTS: Final = (Hook.DELIVERED, Hook.DEFERRED, Hook.BOUNCED)
 DROP_LOG_EVERY: Final = 1000
@@ -194,7 +194,8 @@ def init(app: PluginApp) -> None:
     assert isinstance(options, Options)
     unknown = sorted(set(options.events) - {str(hook) for hook in EVENTS})
     if unknown:
-        raise ValueError(f"unknown events {', '.join(unknown)}: use delivered, deferred, bounced")
+        text = f"unknown events {', '.join(unknown)}: use delivered, deferred, bounced"
+        raise OptionError(("events",), text)
     sender = WebhookSender(options, app.log)
 
     def handler_for(hook: Hook) -> Any:

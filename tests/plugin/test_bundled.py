@@ -163,7 +163,8 @@ def test_suppression_broken_file_stops_start_up(tmp_path: Path) -> None:
     path.write_text('{"bulk": "x@bulk.test"}')
     with pytest.raises(ConfigError) as info:
         host_with({"s": {"module": BUNDLED / "suppression.py", "options": {"file": str(path)}}})
-    assert info.value.key == "plugins.s" and "zone name -> [addresses]" in info.value.problem
+    assert info.value.key == "plugins.s.options.file"
+    assert "zone name -> [addresses]" in info.value.problem
 
 
 # --- rules router ------------------------------------------------------------------------------

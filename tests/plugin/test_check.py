@@ -18,11 +18,11 @@ from tests.support.serve import ROOT, START_TIMEOUT, start_serve, write_serve_co
 from zoneq.config import load_config
 from zoneq.plugin.check import plugin_problems
 
-FAULTS = {
-    "plugins.dkim": "key_file",
-    "plugins.rules_router": "nowhere",
-    "plugins.webhooks": "exploded",
-    "plugins.suppression": "missing.json",
+FAULTS = {  # each fault named down to its option
+    'plugins.dkim.options.domains."shop.example".key_file': "key file",
+    "plugins.rules_router.options.rules[0].zone": "nowhere",
+    "plugins.webhooks.options.events": "exploded",
+    "plugins.suppression.options.file": "missing.json",
 }
 
 

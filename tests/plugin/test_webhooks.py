@@ -241,5 +241,5 @@ def test_bad_options_name_their_key(options: dict[str, Any], key: str) -> None:
 def test_an_unknown_event_stops_start_up() -> None:
     with pytest.raises(ConfigError) as info:
         webhook_host("127.0.0.1", 9, events=["delivered", "opened"])
-    assert info.value.key == "plugins.webhooks"
+    assert info.value.key == "plugins.webhooks.options.events"
     assert "opened" in info.value.problem
