@@ -81,6 +81,11 @@ def test_defaults_of_every_key() -> None:
     assert zone.schedule.intervals_ms == (15 * 60_000, 30 * 60_000, 2 * 3_600_000, 4 * 3_600_000)
     assert zone.max_age_ms == 72 * 3_600_000
     assert config.routing.bounce_max_age_ms == 24 * 3_600_000
+    # Issue 4: the API and the receiver are bound to loopback unless configured otherwise.
+    for built in (config, load_config()):
+        assert built.api.listen == "127.0.0.1:8025"
+        assert built.receiver.listen_address[0] == "127.0.0.1"
+        assert built.receiver.tls_listen is None and built.receiver.postmaster is None
 
 
 def test_schedules_are_parsed() -> None:
