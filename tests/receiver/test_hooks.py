@@ -95,6 +95,10 @@ def init(app):
             return Reply(554, ("Content refused by policy",), EnhancedStatus(5, 7, 1))
         if "x-raise" in names:
             raise ValueError("cannot read these headers")
+        if "x-hang" in names:
+            return await misbehave("hang")
+        if "x-garbage" in names:
+            return await misbehave("garbage")
         return None
 
     app.add_hook(Hook.SMTP_AUTH, auth)
@@ -268,7 +272,12 @@ def test_failing_plugin_at_rcpt_is_451_and_nothing_is_stored(tmp_path: Path, loc
 
 @pytest.mark.parametrize(
     ("field", "expected"),
-    [(b"X-Refuse: yes", "554 5.7.1 Content refused by policy"), (b"X-Raise: yes", "451 4.3.0 ")],
+    [
+        (b"X-Refuse: yes", "554 5.7.1 Content refused by policy"),
+        (b"X-Raise: yes", "451 4.3.0 "),
+        (b"X-Hang: yes", "451 4.3.0 "),  # past the plugin's 1 s time limit
+        (b"X-Garbage: yes", "451 4.3.0 "),
+    ],
 )
 def test_message_headers_refusal_answers_at_the_dot_and_stores_nothing(
     tmp_path: Path, field: bytes, expected: str
