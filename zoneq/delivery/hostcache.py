@@ -21,22 +21,32 @@ off further, and is dropped ``cap`` seconds after the period ends: a host that t
 again starts from ``base``.  Time comes only from the injected ``clock`` (monotonic
 seconds).  The cache is bounded: beyond ``max_entries`` the address marked longest ago is
 forgotten, which errs on the side of trying it again.
+
+What it logs (info, logger ``zoneq.delivery``): each time an address is marked dead and
+for how long, and the first time in each period that it is let through again after its
+rest.  Both are once per address per period, never per job: during an outage every queued
+message asks ``is_dead`` in turn, and a line each would bury the two that matter.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["DeadHostCache"]
 
+log = logging.getLogger("zoneq.delivery")
+
 
 @dataclass(slots=True)
 class _Dead:
     failures: int
     until: float
+    period: float
+    retried: bool = False  # logged "trying again" for this period already
 
 
 class DeadHostCache:
@@ -61,8 +71,28 @@ class DeadHostCache:
         self._entries: OrderedDict[str, _Dead] = OrderedDict()
 
     def is_dead(self, ip: str) -> bool:
-        """True while ``ip`` is inside a dead period."""
-        return self.dead_for(ip) > 0
+        """True while ``ip`` is inside a dead period.
+
+        The delivery loop asks this right before it connects, so the first False after a
+        period is the probe: that one is logged, once per period.
+        """
+        if self.dead_for(ip) > 0:
+            return True
+        entry = self._entries.get(_key(ip))
+        if entry is not None and not entry.retried:
+            entry.retried = True
+            log.info(
+                "MX address %s: trying again after %g s dead (failure %d)",
+                ip,
+                entry.period,
+                entry.failures,
+            )
+        return False
+
+    def resting(self) -> int:
+        """How many addresses are inside a dead period now."""
+        now = self._clock()
+        return sum(1 for entry in self._entries.values() if now < entry.until)
 
     def dead_for(self, ip: str) -> float:
         """Seconds until ``ip`` may be tried again; 0 if it may be tried now."""
@@ -90,15 +120,17 @@ class DeadHostCache:
             failures = entry.failures + 1
         # The exponent is bounded so the float cannot overflow after many failures.
         period = min(self._base * 2.0 ** min(failures - 1, 64), self._cap)
-        self._entries[key] = _Dead(failures, now + period)
+        self._entries[key] = _Dead(failures, now + period, period)
         self._entries.move_to_end(key)
         while len(self._entries) > self._max_entries:
             self._entries.popitem(last=False)
+        log.info("MX address %s marked dead for %g s (failure %d)", ip, period, failures)
         return period
 
     def mark_alive(self, ip: str) -> None:
         """A connection to ``ip`` succeeded: forget its failures."""
-        self._entries.pop(_key(ip), None)
+        if self._entries.pop(_key(ip), None) is not None:
+            log.info("MX address %s is alive again", ip)
 
     def __len__(self) -> int:
         return len(self._entries)
