@@ -52,9 +52,13 @@ async def test_metrics_show_queue_sizes_totals_and_latency(store: QueueStore) ->
     )
     assert after[("zoneq_delivery_latency_seconds_sum", (("zone", "default"),))] == 3.0
     assert after[("zoneq_storage_up", ())] == 1
+    assert after[("zoneq_quarantined_records", ())] == 0
 
 
 @async_test
 async def test_health_needs_no_token(store: QueueStore) -> None:
     async with api_running(store) as api:
-        assert await api.call("GET", "/health", token=None) == (200, {"status": "ok"})
+        assert await api.call("GET", "/health", token=None) == (
+            200,
+            {"status": "ok", "quarantined": 0},
+        )

@@ -5,6 +5,8 @@ buckets with ``+Inf``, ``_sum`` and ``_count``) exactly as Prometheus parses it.
 counted on the hot paths for it: a custom collector reads, at scrape time,
 
 * queue sizes from the store's O(1) counters (per zone and state, messages, paused zones);
+* corrupt records the store has quarantined since start (its in-memory list: the records
+  stay on disk, and the count starts again when a restart meets them again);
 * totals (accepted, delivered, deferred, bounced, expired, dropped) and the delivery
   latency histogram from the event log, which every transition writes in its own batch: an
   ``EventTally`` remembers where it stopped and reads only the events written since (at
@@ -136,6 +138,11 @@ class QueueCollector(Collector):
             "1 while the queue database accepts writes",
             value=0 if self._store.failure is not None else 1,
         )
+        yield GaugeMetricFamily(
+            "zoneq_quarantined_records",
+            "Corrupt queue records set aside (kept on disk for an operator) since start",
+            value=len(self._store.quarantined),
+        )
         yield from self._totals()
 
     def _totals(self) -> Iterator[Metric]:
@@ -188,9 +195,15 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """Unauthenticated: 200 while the queue accepts writes, 503 while it does not."""
-    failure = context(request).store.failure
-    if failure is not None:
-        body = Health(status="unavailable", reason=str(failure))
+    """Unauthenticated: 200 while the queue accepts writes, 503 while it does not.
+
+    Quarantined records are reported but leave the status at 200: the rest of the queue is
+    being delivered, and a load balancer or supervisor acting on a 503 would only stop that.
+    """
+    store = context(request).store
+    quarantined = len(store.quarantined)
+    if store.failure is not None:
+        body = Health(status="unavailable", reason=str(store.failure), quarantined=quarantined)
         return web.json_response(body.model_dump(exclude_none=True), status=503)
-    return web.json_response(Health(status="ok").model_dump(exclude_none=True))
+    body = Health(status="ok", quarantined=quarantined)
+    return web.json_response(body.model_dump(exclude_none=True))

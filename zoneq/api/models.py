@@ -149,6 +149,11 @@ class MessageView(_Body):
 class Health(_Body):
     status: Literal["ok", "unavailable"]
     reason: str | None = Field(default=None, description="why the queue refuses writes")
+    # Not an outage: a quarantined record is one recipient or message an operator must look
+    # at, while the rest of the queue is delivered; so it never turns the status to 503.
+    quarantined: int = Field(
+        ge=0, description="corrupt queue records set aside since start (kept on disk)"
+    )
 
 
 class ErrorBody(_Body):

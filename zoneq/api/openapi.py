@@ -118,7 +118,10 @@ NDJSON: Final = {
 PATHS: Final[dict[str, dict[str, Any]]] = {
     "/health": {
         "get": {
-            "summary": "Liveness: 200 while the queue accepts writes, 503 while not (no auth)",
+            "summary": (
+                "Liveness: 200 while the queue accepts writes, 503 while not (no auth);"
+                " the count of quarantined corrupt records either way"
+            ),
             "security": [],
             "responses": {
                 "200": _json(models.Health, "ok"),
@@ -128,7 +131,7 @@ PATHS: Final[dict[str, dict[str, Any]]] = {
     },
     "/metrics": {
         "get": _op(
-            "Prometheus text format: queue sizes, totals, delivery latency",
+            "Prometheus text format: queue sizes, quarantined records, totals, delivery latency",
             {"description": "metrics", "content": {"text/plain": {"schema": {"type": "string"}}}},
         )
     },
