@@ -13,7 +13,10 @@ queue after each kill, one extra per such kill; or where the core logged a possi
 duplicate.  A 4xx-refused message may reach the MX only if it was under way at a kill.
 The kills while receiving wait (bounded) for an open DATA, half of them with ``--long``:
 at least one kill must cut a message off after its DATA command, and with only three
-receive kills in the short profile a random schedule could miss.
+receive kills in the short profile a random schedule could miss.  Likewise every third
+round sends to bad.test only and waits (bounded, through the HTTP API's counts) until a DSN
+is queued or being delivered in the bounces zone before it kills: at least one kill must
+find DSNs in the killed queue (read from its copy), or bounce generation went untested.
 """
 
 from __future__ import annotations
@@ -37,30 +40,55 @@ from tests.support.ledger import (
     until_data,
     wait_settled,
 )
-from tests.support.serve import Serve, smtp_port, start_serve
+from tests.support.serve import Serve, api_port, smtp_port, start_serve
 from tests.support.smtpsink import run_smtp_sink
+from zoneq.api.client import ApiClient
 
 pytestmark = pytest.mark.integration
 
 KILLS = 25 if long_tests() else 6
 CONNECTIONS = 4
 RECIPIENTS = ("r1@ok.test", "r2@ok.test", "r3@ok.test", "x1@bad.test", "x2@bad.test")
+REFUSED = tuple(r for r in RECIPIENTS if r.endswith("@bad.test"))
 DELIVERY_TIMEOUT = 60.0
+DSN_WAIT_S = 5.0
 
 
-async def one_round(serve: Serve, port: int, ledger: Ledger, run: int) -> str:
+def bounces_under_way(api: ApiClient) -> bool:
+    """Whether the bounces zone holds a DSN that is queued or being delivered."""
+    zone = api.call("GET", "/api/v1/queue")["zones"].get("bounces", {})
+    return bool(zone.get("ready", 0) + zone.get("leased", 0))
+
+
+async def until_bouncing(api: ApiClient, timeout: float = DSN_WAIT_S) -> bool:
+    """Wait (bounded) until a DSN is under way; whether one was seen.  The API call is
+    blocking, so it runs in a thread while the client keeps sending."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if await asyncio.to_thread(bounces_under_way, api):
+            return True
+        await asyncio.sleep(0.005)
+    return False
+
+
+async def one_round(serve: Serve, port: int, api: ApiClient, ledger: Ledger, run: int) -> str:
     """Send, and kill the core at a random moment; what was going on at the kill."""
-    load = Load(RECIPIENTS, sizes=(300, 2_000, 70_000))
+    bouncing = run % 3 == 2  # to bad.test only: every message makes a DSN
+    load = Load(REFUSED if bouncing else RECIPIENTS, sizes=(300, 2_000, 70_000))
     stop = asyncio.Event()
     client = asyncio.create_task(send_until_cut(port, ledger, f"kill-{run}", load, stop=stop))
     await asyncio.sleep(random.uniform(0.3, 1.5))
     moment = "receive"
-    if run % 2 == 1:  # stop sending first: the kill lands in delivery or bounces
+    if bouncing:
+        moment = "bounce" if await until_bouncing(api) else "bounce not seen"
+    elif run % 2 == 1:  # stop sending first: the kill lands in delivery or bounces
         moment = "delivery"
         stop.set()
         await asyncio.wait_for(client, timeout=30)
         await asyncio.sleep(random.uniform(0.0, 1.0))
-    await until_data(ledger, wanted=moment == "receive" and (run % 4 == 0 or not long_tests()))
+    wanted = moment == "receive" and (run % 4 == 0 or not long_tests())
+    await until_data(ledger, wanted=wanted)
     ledger.kill_now()
     serve.kill()
     await asyncio.wait_for(client, timeout=30)
@@ -82,11 +110,13 @@ def test_sigkill_during_receive_delivery_and_bounces_loses_nothing(tmp_path: Pat
     ):
         config = bed.config(connections=CONNECTIONS)
         port = smtp_port(config)
+        token = data_dir_of(config) / "api.token"  # generated at the first start
         for run in range(KILLS):
             serve = start_serve(config, tmp_path / f"serve-{run}.log")
             try:
                 serve.wait_ready(expected_workers=WORKERS)
-                moments.append(asyncio.run(one_round(serve, port, ledger, run)))
+                api = ApiClient("127.0.0.1", api_port(config), token.read_text().strip())
+                moments.append(asyncio.run(one_round(serve, port, api, ledger, run)))
             finally:
                 serve.kill()
                 survivors += serve.wait_workers_gone(timeout=10.0)
@@ -113,8 +143,12 @@ def test_sigkill_during_receive_delivery_and_bounces_loses_nothing(tmp_path: Pat
     dsn_duplicates = sum(n - 1 for n in result.bounces.values())
     print(
         f"\nkills: {KILLS} ({moments.count('receive')} while receiving, "
-        f"{moments.count('delivery')} while only delivering and bouncing; "
-        f"{ledger.kills_mid_data()} cut a message after its DATA); "
+        f"{moments.count('delivery')} while only delivering and bouncing, "
+        f"{moments.count('bounce')} of {sum(m.startswith('bounce') for m in moments)} "
+        f"sending to bad.test only once a DSN was under way; "
+        f"{ledger.kills_mid_data()} cut a message after its DATA, "
+        f"{ledger.kills_with_dsns()} found DSNs queued, "
+        f"{sum(len(k.dsns_queued) for k in ledger.kills)} pair(s) in them); "
         f"{len(ledger.acknowledged)} messages acknowledged, {len(ledger.cut)} cut, "
         f"{len(ledger.refusals)} refused 4xx; {result.summary()}, "
         f"{dsn_duplicates} duplicate DSN report(s), {sum(logged.values())} possible "
@@ -128,6 +162,7 @@ def test_sigkill_during_receive_delivery_and_bounces_loses_nothing(tmp_path: Pat
     assert not bounced_ok, f"ok.test accepts, yet bounced: {bounced_ok[:5]}"
     assert not result.unexplained_duplicates(logged), (result.unexplained, logged)
     assert ledger.kills_mid_data() > 0, "no kill cut a message off after its DATA command"
+    assert ledger.kills_with_dsns() > 0, f"no kill found a DSN in the queue: {moments}"
     assert any(r.endswith("@bad.test") for _, r in result.expected), "no bounce was exercised"
     assert state.messages == 0, state.counters
     assert state.counters == state.recount

@@ -96,6 +96,9 @@ class Kill:
     # queue still holds them: the delivery was done, its outcome not yet written.
     delivering: set[Pair] = field(default_factory=set)
     bouncing: set[Pair] = field(default_factory=set)
+    # Pairs reported by DSNs the killed queue held (generated, not yet delivered, or
+    # delivered without the outcome written): the kill landed during bounce generation.
+    dsns_queued: set[Pair] = field(default_factory=set)
 
     def settle(self, seen: Dumps, sink: Sink, data_dir: Path, scratch: Path) -> None:
         """Fill in the deliveries in flight, once the killed core's workers are gone (they
@@ -108,6 +111,7 @@ class Kill:
         grew_bounces = {p for p, n in seen.bounces().items() if n > before_bounced[p]}
         self.delivering = grew & queued
         self.bouncing = grew_bounces & queued_bounces
+        self.dsns_queued = queued_bounces
 
 
 @dataclass
@@ -132,6 +136,10 @@ class Ledger:
     def kills_mid_data(self) -> int:
         """Kills that cut a message after its DATA command: it never got a reply."""
         return sum(1 for kill in self.kills if kill.data & self.cut.keys())
+
+    def kills_with_dsns(self) -> int:
+        """Kills that found DSNs in the queue: bounce generation was cut short."""
+        return sum(1 for kill in self.kills if kill.dsns_queued)
 
     def killed_under_way(self) -> set[str]:
         """Every message under way at some kill."""
