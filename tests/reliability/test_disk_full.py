@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.bed import WORKERS, QueueState, inspect_queue, mail_bed
-from tests.storage.test_full_disk import mounted_tmpfs
+from tests.reliability.bed import WORKERS, QueueState, inspect_queue, mail_bed, mounted_tmpfs
 from tests.support.ledger import (
     Audit,
     Dumps,
