@@ -11,6 +11,13 @@ the database is reopened; the store reopens it by itself at most once a second
 manifest).  So: 4xx while the fault lasts, 250s again after it without a restart, every
 acknowledged message delivered, and the queue consistent afterwards.
 
+Delivery of what is queued must go on meanwhile (issue 7).  smtp-sink waits a second
+before answering each final dot (``-W .:1``), so the clients queue a backlog before the
+fault that the zone's connections drain at a few messages a second.  Deliveries are
+counted at the sink over the fault window, and separately over its tail, from
+``IN_FLIGHT_S`` on: a transaction already at the sink when the fault began has answered
+by then, so a copy that lands later was handed out during the fault.
+
 A commit whose sync failed was still written to the log file (LevelDB writes, then syncs),
 and a reopen replays the log; the store removes such a message after the reopen, since its
 client was told 4xx and sends it again.  The audit fails the run if a message refused with
@@ -24,6 +31,7 @@ import shutil
 import signal
 import subprocess
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +56,9 @@ pytestmark = pytest.mark.integration
 
 FAULTS = 3 if long_tests() else 1
 BEFORE_S, FAULT_S, AFTER_S = 1.5, 3.0, 4.0
+# smtp-sink's wait before its reply to the final dot, plus room for the reply to arrive.
+SINK_DELAY = ("-W", ".:1")
+IN_FLIGHT_S = 1.5
 RECIPIENTS = ("r1@ok.test", "r2@ok.test")
 
 
@@ -86,29 +97,46 @@ def stop_tracer(tracer: subprocess.Popen[bytes]) -> None:
             tracer.wait(timeout=5)
 
 
+@dataclass
+class Phase:
+    """One fault: messages acknowledged before, during and after it, and copies that
+    reached the sink while it lasted (all of them, and those of its tail)."""
+
+    before: int
+    during: int
+    after: int
+    delivered: int
+    delivered_late: int
+
+
 async def fault_while_sending(
-    serve: Serve, port: int, ledger: Ledger, run: int, trace_log: Path
-) -> tuple[int, int, int]:
-    """Acknowledged (before, during, after) the fault, and EIOs injected."""
+    serve: Serve, port: int, ledger: Ledger, run: int, trace_log: Path, *, copies: Callable[[], int]
+) -> Phase:
+    """Send through a fault of ``FAULT_S``; ``copies`` counts what the sink holds."""
     total = BEFORE_S + FAULT_S + AFTER_S
-    load = Load(RECIPIENTS, sizes=(300, 20_000), pause=0.01)
+    load = Load(RECIPIENTS, sizes=(300, 20_000), pause=0.1)
     clients = asyncio.create_task(send_for(port, ledger, f"eio-{run}", load, total, clients=2))
     await asyncio.sleep(BEFORE_S)
     before = len(ledger.acknowledged)
     tracer = inject_eio(serve.pid, trace_log)
     try:
-        await asyncio.sleep(FAULT_S)
+        at_start = await asyncio.to_thread(copies)
+        await asyncio.sleep(IN_FLIGHT_S)
+        at_tail = await asyncio.to_thread(copies)
+        await asyncio.sleep(FAULT_S - IN_FLIGHT_S)
+        at_end = await asyncio.to_thread(copies)
     finally:
         stop_tracer(tracer)
     during = len(ledger.acknowledged) - before
     await clients
-    return before, during, len(ledger.acknowledged) - before - during
+    after = len(ledger.acknowledged) - before - during
+    return Phase(before, during, after, at_end - at_start, at_end - at_tail)
 
 
 @dataclass
 class Run:
     ledger: Ledger
-    phases: list[tuple[int, int, int]]  # acknowledged before, during, after each fault
+    phases: list[Phase]
     seen: list[int]  # 4xx refusals during each fault
     eios: int
     settled: bool
@@ -127,21 +155,26 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     tmp_path = tmp_path_factory.mktemp("fsync")
     ledger = Ledger()
     dumps = Dumps()
-    phases: list[tuple[int, int, int]] = []
+    phases: list[Phase] = []
     seen: list[int] = []
     logs = [tmp_path / "serve.log"]
     trace_log = tmp_path / "strace.log"
-    with mail_bed(tmp_path) as bed:
+    with mail_bed(tmp_path, *SINK_DELAY) as bed:
         config = bed.config(connections=4)
         port = smtp_port(config)
+
+        def copies() -> int:
+            return dumps.scan(bed.sink)[0]
+
         serve = start_serve(config, logs[0])
         try:
             workers = serve.wait_ready(expected_workers=WORKERS)
             for n in range(FAULTS):
                 refusals_before = len(ledger.refusals)
-                phases.append(asyncio.run(fault_while_sending(serve, port, ledger, n, trace_log)))
+                phase = fault_while_sending(serve, port, ledger, n, trace_log, copies=copies)
+                phases.append(asyncio.run(phase))
                 seen.append(len(ledger.refusals) - refusals_before)
-            settled = wait_settled(bed.sink, dumps, ledger.expected(), timeout=60.0)
+            settled = wait_settled(bed.sink, dumps, ledger.expected(), timeout=90.0)
             core_restarted = not serve.running()
             workers_restarted = set(serve.workers()) != set(workers)
             serve.terminate()
@@ -164,7 +197,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     )
     delivered = {m for m, _ in dumps.delivered()}
     print(
-        f"\nfailed fdatasync: {FAULTS} fault(s), acknowledged (before, during, after) {phases}; "
+        f"\nfailed fdatasync: {FAULTS} fault(s), {phases}; "
         f"{result.eios} EIO(s) injected; {len(ledger.refusals)} refused 4xx "
         f"(e.g. {ledger.refusals[:1]}), {len(set(ledger.refused) & delivered)} of them "
         f"delivered all the same (replayed from the log); {result.audit.summary()}; "
@@ -180,8 +213,20 @@ def test_clients_get_4xx_never_5xx_while_fdatasync_fails(run: Run) -> None:
     assert not run.ledger.refused_5xx, run.ledger.refused_5xx[:5]
 
 
+@pytest.mark.xfail(
+    strict=True,  # turns red once delivery does go on: then drop this mark
+    reason="product gap (issue 7): the first failed synced commit leaves LevelDB refusing "
+    "every write, and each reopen needs an fdatasync (the log replayed into a level-0 "
+    "table), so the store stays failed and closed for the whole fault and lease() refuses; "
+    "delivery would need outcomes held outside LevelDB until it heals",
+)
+def test_delivery_of_what_is_queued_goes_on_while_fdatasync_fails(run: Run) -> None:
+    assert all(p.before > p.delivered for p in run.phases), f"no backlog: {run.phases}"
+    assert all(p.delivered_late > 0 for p in run.phases), f"delivery stalled: {run.phases}"
+
+
 def test_the_store_heals_by_itself_once_the_fault_is_gone(run: Run) -> None:
-    assert all(after > 0 for _, _, after in run.phases), f"no 250 after the fault: {run.phases}"
+    assert all(p.after > 0 for p in run.phases), f"no 250 after the fault: {run.phases}"
     assert not run.core_restarted
 
 
