@@ -1,11 +1,12 @@
 """A corrupted record: quarantined and reported, the rest delivered; and one zoneq per queue.
 
 Messages are queued with the store while ``zoneq serve`` is stopped, then one recipient
-record's value is overwritten with garbage through plyvel directly (as a torn write or a bad
-disk would leave it).  ``zoneq serve`` must deliver every other recipient, leave the bad
-record where it is (an operator may repair it; deleting it would lose the recipient
-silently) and say so in its log.  A second ``zoneq serve`` on the same data directory must
-refuse to start, with a message naming the directory, and a non-zero exit status.
+record's value and one message's metadata are overwritten with garbage through plyvel
+directly (as a torn write or a bad disk would leave them), and one body chunk is deleted.
+``zoneq serve`` must deliver every other recipient, leave the bad records where they are
+(an operator may repair them; deleting would lose the recipients silently) and say so in
+its log.  A second ``zoneq serve`` on the same data directory must refuse to start, with a
+message naming the directory, and a non-zero exit status.
 """
 
 from __future__ import annotations
@@ -123,12 +124,17 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         config = bed.config()
         queue = data_dir_of(config)
         ids = asyncio.run(queue_messages(queue, ledger, MESSAGES))
-        (victim_id, [victim]), (chunk_id, [chunk_rcpt]) = sorted(ledger.acknowledged.items())[:2]
+        first = sorted(ledger.acknowledged.items())[:3]
+        (victim_id, [victim]), (chunk_id, [chunk_rcpt]), (meta_id, [meta_rcpt]) = first
         bad_key = corrupt_one(queue, victim)
+        # Unreadable metadata: the message cannot be sent; the rest must go on (its worker
+        # must not crash, and no other message's outcome may be lost with it).
+        corrupt_key(queue, keys.message_meta(ids[meta_id]), GARBAGE)
         # A lost body chunk (a chunk's bytes carry no checksum: garbage in one would be sent
         # as it is; a missing one is what the store can notice).
         corrupt_key(queue, keys.message_chunk(ids[chunk_id], 0), None)
-        expected = ledger.expected() - {(victim_id, victim), (chunk_id, chunk_rcpt)}
+        lost = {(victim_id, victim), (chunk_id, chunk_rcpt), (meta_id, meta_rcpt)}
+        expected = ledger.expected() - lost
         log = tmp_path / "serve.log"
         serve = start_serve(config, log)
         try:
@@ -181,8 +187,8 @@ def test_the_rest_is_delivered_once_and_the_bad_record_is_kept(run: Run) -> None
     # Kept for an operator, not deleted (that would lose the recipient without a trace);
     # the message whose body lost its chunk waits deferred (its worker asked, was told the
     # chunk is missing, and lived on: the supervisor never restarted it).
-    assert run.state.messages == 2
-    assert run.state.quarantined == 1
+    assert run.state.messages == 3
+    assert run.state.quarantined >= 1  # the recipient record, found by the scan at start
     assert "restarting" not in run.log, run.log[-2000:]
 
 
@@ -190,8 +196,10 @@ def test_the_quarantined_count_is_in_health_and_metrics(run: Run) -> None:
     # Still 200: one bad record is for an operator to look at, not an outage.
     status, body = run.health
     assert status == 200
-    assert json.loads(body) == {"status": "ok", "quarantined": 1}
-    assert "\nzoneq_quarantined_records 1.0\n" in run.metrics, run.metrics
+    # The recipient record (found by the scan at start) and the message's metadata (found
+    # when its job was handed out).
+    assert json.loads(body) == {"status": "ok", "quarantined": 2}
+    assert "\nzoneq_quarantined_records 2.0\n" in run.metrics, run.metrics
 
 
 def test_the_quarantined_record_is_reported_in_the_log(run: Run) -> None:

@@ -49,7 +49,13 @@ from dataclasses import dataclass, field, replace
 from typing import Final
 
 from zoneq.config import Config
-from zoneq.errors import LeaseError, NotFound, ProtocolError, StorageUnavailable
+from zoneq.errors import (
+    LeaseError,
+    NotFound,
+    ProtocolError,
+    StorageCorruption,
+    StorageUnavailable,
+)
 from zoneq.logs import REPEATS
 from zoneq.plugin.hooks import Hook, OutcomeArgs
 from zoneq.plugin.host import PluginHost
@@ -297,6 +303,11 @@ class QueueService:
                 meta = self._store.message(planned.msg_id)
             except NotFound:
                 meta = None
+            except StorageCorruption:
+                # Its metadata cannot be read (the store quarantined and reported it): the
+                # recipients stay leased to the core, out of circulation until a restart or
+                # an administrator's delete, so the rest of the queue goes on (issue 7).
+                meta = None
         if meta is None:
             state.slots.put_back(slot)
             return None
@@ -515,8 +526,8 @@ class QueueService:
             return None
         try:
             meta = self._store.message(record.msg_id)
-        except NotFound:
-            return None
+        except (NotFound, StorageCorruption):
+            return None  # no notice without the message's metadata; the deferral stands
         failure = Failure(
             record,
             status=item.enhanced or "4.0.0",
@@ -554,6 +565,10 @@ class QueueService:
             )
         except NotFound:
             log.warning("message %x vanished before its bounce could be written", msg_id)
+        except StorageCorruption:
+            # Quarantined and reported by the store; the recipients are still bounced (their
+            # outcome recorded), only the DSN cannot be composed without the metadata.
+            log.error("message %x: no DSN, its metadata is corrupt", msg_id)
         work: list[Awaitable[int | None]] = []
         for token, lease, _, outcome, expired in group:
             bounce = self._store.bounce(lease, now, outcome, expired=expired, notice=notice)

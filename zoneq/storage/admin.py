@@ -27,7 +27,11 @@ class AdminMixin(StoreBase):
         value = self._writer.read(key)
         if value is None:
             raise NotFound(f"no message {format_id(msg_id)}")
-        return MessageMeta.decode(key, msg_id, value)
+        try:
+            return MessageMeta.decode(key, msg_id, value)
+        except StorageCorruption as exc:
+            self._quarantine(exc)  # reported once, kept on disk for the operator
+            raise
 
     def recipients(self, msg_id: int) -> list[QueuedRecipient]:
         """Every queued recipient of a message with its state (leased ones as LEASED)."""
