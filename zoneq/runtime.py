@@ -91,7 +91,7 @@ async def maintain(store: QueueStore, config: Config) -> None:
     """One round of housekeeping; a storage fault is logged and retried next round."""
     try:
         swept = await store.sweep(now_ms(), config.storage.receive_timeout_ms)
-        trimmed = await store.trim_events(now_ms() - config.storage.event_retention_ms)
+        trimmed = await store.trim_expired_events(now_ms() - config.storage.event_retention_ms)
         store.compact()
         if store.space.restore():
             log.info("recovery reserve of %d bytes in place", store.space.reserve)

@@ -3,6 +3,9 @@
 Both are read from one LevelDB snapshot (``zoneq.storage.export``), so an export made while
 mail flows is one consistent moment.  Lines are sent in batches, awaiting the socket between
 them: a slow reader holds the export back (TCP flow control), never the whole log in memory.
+An event record that does not decode is logged here and sent as a skip marker line
+(``zoneq.storage.export.event_records``) in its place: the stream goes on, and the client
+counts it and moves its watermark past it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from zoneq.config import Config, load_config
@@ -69,6 +69,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
                     f"events: {done.events} exported in {done.files} file(s) to {args.out} "
                     f"(watermark {mark})"
                 )
+                if done.corrupt:
+                    print(corrupt_summary(done.corrupt))
             if args.only != "events":
                 now_ms = time.time_ns() // 1_000_000
                 queued = export_queue(source, args.out, fmt, now_ms=now_ms)
@@ -80,6 +82,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
         print(f"zoneq export: cannot write the export: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def corrupt_summary(keys: Sequence[str], shown: int = 10) -> str:
+    """The summary line for skipped event records, naming their keys (the first few)."""
+    named = " ".join(keys[:shown]) + (
+        f" (and {len(keys) - shown} more)" if len(keys) > shown else ""
+    )
+    return f"{len(keys)} corrupt event record(s) skipped: keys {named}"
 
 
 @contextlib.contextmanager

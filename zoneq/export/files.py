@@ -121,7 +121,7 @@ def write_rows(
 ) -> int:
     """Write ``rows`` (dicts with at least ``columns``) to ``path`` atomically, streaming
     (Parquet: one row group per ``batch`` rows); how many rows."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     tmp = path.with_name(f".tmp-{path.name}")
     names = [name for name, _, _ in columns]
     count = 0
@@ -141,8 +141,44 @@ def write_rows(
             for line in _json_lines(rows, names):
                 out.write(line)
                 count += 1
-    os.replace(tmp, path)
+    durable_replace(tmp, path)
     return count
+
+
+def durable_replace(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` over ``path`` so that both survive a power loss: the file's data is
+    fsynced before the rename (else the new name may point at an empty or partial file),
+    and the directory after it (the rename itself is directory data, POSIX fsync(2)).  The
+    watermark is saved after this, so it never points past events that are not on disk.
+    Costs a few milliseconds per part file, small next to encoding the Parquet."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def make_dirs(directory: Path) -> None:
+    """``mkdir -p``, fsyncing the parent of each directory it creates: a new partition
+    directory's own name is data of its parent, lost with it unless synced."""
+    created: list[Path] = []
+    missing = directory
+    while not missing.exists() and missing != missing.parent:
+        created.append(missing)
+        missing = missing.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    for made in reversed(created):
+        fsync_dir(made.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def batched(items: Iterable[Row], size: int) -> Iterator[list[Row]]:
@@ -185,7 +221,10 @@ __all__ = [
     "MissingDependency",
     "batched",
     "discard_unfinished",
+    "durable_replace",
     "escape_path_name",
+    "fsync_dir",
+    "make_dirs",
     "part_name",
     "partition_dir",
     "utc_day",

@@ -29,6 +29,7 @@ from zoneq.export.sources import Source
 from zoneq.export.watermark import ExportError, Watermark
 from zoneq.protocol.columns import EVENT_COLUMNS, QUEUE_COLUMNS, QUEUE_VERSION
 from zoneq.protocol.ids import parse_id
+from zoneq.storage.export import is_corrupt
 
 BATCH: Final = 200_000
 
@@ -39,6 +40,7 @@ class EventsExported:
     files: int
     after: int | None  # the new watermark
     discarded: int  # files of an unfinished earlier run, deleted first
+    corrupt: tuple[str, ...] = ()  # keys (hex) of event records that did not decode, skipped
 
 
 class Progress:
@@ -80,18 +82,22 @@ def export_events(
         desc="events",
     )
     last, count, files = mark.after, 0, 0
+    corrupt: list[str] = []
     try:
         for chunk in batched(source.events(mark.after), batch):
-            files += _write_batch(out, chunk, mark.run_start, fmt)
+            rows = [record for record in chunk if not is_corrupt(record)]
+            corrupt.extend(record["key"] for record in chunk if is_corrupt(record))
+            files += _write_batch(out, rows, mark.run_start, fmt)
+            # Past the skipped records too: the next run must not stop at them again.
             last = parse_id(chunk[-1]["id"])
-            count += len(chunk)
+            count += len(rows)
             bar.update(len(chunk))
     except (KeyError, TypeError, ValueError) as exc:
         raise ExportError(f"an event record could not be exported: {exc!r}") from exc
     finally:
         bar.close()
     watermark.save(out, Watermark(fmt, last, mark.events + count))
-    return EventsExported(count, files, last, discarded)
+    return EventsExported(count, files, last, discarded, tuple(corrupt))
 
 
 def _write_batch(out: Path, chunk: list[dict[str, Any]], run_start: str, fmt: Format) -> int:

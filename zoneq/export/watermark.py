@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from zoneq.export.files import Format
+from zoneq.export.files import Format, fsync_dir
 from zoneq.protocol.ids import format_id, parse_id
 
 WATERMARK_FILE: Final = ".zoneq-export.json"
@@ -73,3 +73,4 @@ def save(directory: Path, mark: Watermark) -> None:
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, path)
+    fsync_dir(directory)  # the rename is the directory's data (POSIX fsync(2))

@@ -24,10 +24,9 @@ from zoneq.protocol.events import EventKind
 from zoneq.storage import keys
 from zoneq.storage.base import STATE_FAMILY, Outcome, QueuedRecipient, StoreBase
 from zoneq.storage.leveldb import Op
-from zoneq.storage.records import State
+from zoneq.storage.records import MessageMeta, State
 
 _PAUSED = keys.meta("paused-zone")
-NO_OUTCOME = Outcome()  # an administrator's drop: no remote reply to record
 
 
 def _paused_key(zone: str) -> bytes:
@@ -43,6 +42,7 @@ class BulkMixin(StoreBase):
         # Heads first, before anything changes: a message whose head is missing or corrupt
         # still loses the records named, but its head is left for the sweep to judge.
         heads: dict[int, tuple[int, int] | None] = {}
+        sizes: dict[int, Outcome] = {}  # each DROPPED event carries its message's size
         for queued in chosen:
             msg_id = queued.recipient.msg_id
             if msg_id not in heads:
@@ -50,12 +50,13 @@ class BulkMixin(StoreBase):
                     heads[msg_id] = self._read_head(msg_id)
                 except (NotFound, StorageCorruption):
                     heads[msg_id] = None
+                sizes[msg_id] = Outcome(size=self._message_size(msg_id))
         ops: list[Op] = []
         gone: dict[int, int] = {}
         for queued in chosen:
             record = queued.recipient
             ops.extend(self._remove_record(queued))
-            ops.append(self._outcome_event(EventKind.DROPPED, record, now_ms, NO_OUTCOME))
+            ops.append(self._outcome_event(EventKind.DROPPED, record, now_ms, sizes[record.msg_id]))
             gone[record.msg_id] = gone.get(record.msg_id, 0) + 1
         for msg_id, count in gone.items():
             head = heads[msg_id]
@@ -64,6 +65,18 @@ class BulkMixin(StoreBase):
         if ops:
             await self._writer.submit(ops, sync=False)
         return len(chosen)
+
+    def _message_size(self, msg_id: int) -> int:
+        """The message's size in octets (as ``admin.drop`` records it); 0 when its metadata
+        is missing or unreadable: the drop goes on, the event just cannot say."""
+        key = keys.message_meta(msg_id)
+        value = self._writer.read(key)
+        if value is None:
+            return 0
+        try:
+            return MessageMeta.decode(key, msg_id, value).size
+        except StorageCorruption:
+            return 0
 
     async def hold_many(self, chosen: Sequence[QueuedRecipient], reason: str) -> int:
         """Put these recipients on hold; leased ones are passed over (they may be on the

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Final
 
 from zoneq.errors import StorageCorruption
 from zoneq.protocol.ids import format_id, id_time_ms
@@ -24,6 +24,8 @@ from zoneq.storage import keys
 from zoneq.storage.base import FAMILY_STATE
 from zoneq.storage.records import Recipient, State
 from zoneq.storage.store import QueueStore
+
+CORRUPT: Final = "corrupt"  # the field that marks a skipped, undecodable event record
 
 QUEUE_FIELDS = (
     "zone",
@@ -46,13 +48,36 @@ def event_records(
     limit: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Event records after event id `after`, oldest first: Event.to_record() plus "id":
-    format_id(event_id)."""
+    format_id(event_id).
+
+    A record that does not decode comes out, in its place, as a *skip marker*:
+    ``{"id": <its event id>, "corrupt": <why>, "key": <its key in hex>}`` and no other
+    field (:func:`is_corrupt`).  A consumer writes no row for it but counts it and moves
+    its watermark past it: otherwise one damaged value would stop every export at the same
+    event, run after run.  The markers travel through the API's NDJSON stream too, so an
+    export through the running core learns of them the same way.  ``limit`` counts
+    decoded events only.
+    """
     start = None if after is None else keys.event(after)
-    events = store.events(after=start, snapshot=snapshot)
+    skipped: list[dict[str, Any]] = []
+
+    def corrupt(key: bytes, reason: str) -> None:
+        skipped.append({"id": format_id(keys.decode_event(key)), CORRUPT: reason, "key": key.hex()})
+
+    events = store.events(after=start, snapshot=snapshot, on_corrupt=corrupt)
     for key, event in itertools.islice(events, limit):
+        yield from skipped  # each marker before the next good event: id order is kept
+        skipped.clear()
         record = event.to_record()
         record["id"] = format_id(keys.decode_event(key))
         yield record
+    if limit is None:
+        yield from skipped
+
+
+def is_corrupt(record: dict[str, Any]) -> bool:
+    """A skip marker from :func:`event_records` (an event record that did not decode)."""
+    return CORRUPT in record
 
 
 def queue_records(
@@ -88,4 +113,4 @@ def queue_records(
             }
 
 
-__all__ = ["QUEUE_FIELDS", "event_records", "queue_records"]
+__all__ = ["CORRUPT", "QUEUE_FIELDS", "event_records", "is_corrupt", "queue_records"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Callable, Iterator
 
@@ -10,7 +11,7 @@ import msgpack
 from zoneq.protocol.events import Event
 from zoneq.protocol.ids import COUNTER_BITS, id_time_ms
 from zoneq.storage import keys
-from zoneq.storage.base import FAMILY_STATE, StoreBase
+from zoneq.storage.base import FAMILY_STATE, StoreBase, log
 from zoneq.storage.counters import MESSAGES, domain_key, zone_key
 from zoneq.storage.leveldb import Op
 from zoneq.storage.records import (
@@ -82,26 +83,68 @@ class MaintenanceMixin(StoreBase):
             self._db.compact_range(keys.zone_prefix(keys.DUE, zone), mark)
 
     async def trim_events(self, before_ms: int, limit: int = 50_000) -> int:
-        """Delete events older than ``before_ms`` (retention); how many."""
+        """Delete up to ``limit`` events older than ``before_ms`` (one batch); how many."""
+        return (await self._trim_batch(before_ms, keys.EVENT, limit))[0]
+
+    async def trim_expired_events(self, before_ms: int, batch: int = 50_000) -> int:
+        """Delete every event older than ``before_ms`` (retention), ``batch`` at a time;
+        how many.
+
+        One batch per maintenance round (10 minutes) trims ~83 events/s, far less than a
+        busy node writes, so the log would grow without bound.  Each batch is one writer
+        submission, which awaits its group write: the event loop serves SMTP clients and
+        workers between batches, and ``sleep(0)`` yields even when the write was quick.
+        Each batch resumes after the last key deleted, so no scan walks the tombstones
+        of the batches before it again (LevelDB skips deleted keys one by one).
+        """
+        total, start = 0, keys.EVENT
+        while True:
+            deleted, last = await self._trim_batch(before_ms, start, batch)
+            total += deleted
+            if deleted < batch or last is None:
+                return total
+            start = last + b"\x00"
+            await asyncio.sleep(0)
+
+    async def _trim_batch(
+        self, before_ms: int, start: bytes, limit: int
+    ) -> tuple[int, bytes | None]:
         self._check()
         stop = keys.event(before_ms << COUNTER_BITS)  # event ids are time-ordered like msg ids
         ops: list[Op] = [
-            (key, None)
-            for key in itertools.islice(self._db.keys(start=keys.EVENT, stop=stop), limit)
+            (key, None) for key in itertools.islice(self._db.keys(start=start, stop=stop), limit)
         ]
         if ops:
             await self._writer.submit(ops, sync=False)
-        return len(ops)
+        return len(ops), (ops[-1][0] if ops else None)
 
     def events(
-        self, *, after: bytes | None = None, snapshot: object = None
+        self,
+        *,
+        after: bytes | None = None,
+        snapshot: object = None,
+        on_corrupt: Callable[[bytes, str], None] | None = None,
     ) -> Iterator[tuple[bytes, Event]]:
-        """Events in time order after the key ``after`` (an export's watermark)."""
+        """Events in time order after the key ``after`` (an export's watermark).
+
+        A record that does not decode is logged with its key and skipped (``on_corrupt``
+        hears its key and why, in order), as the queue's readers skip theirs: one damaged
+        value must not stop every reader of the log at the same place, every time.  The
+        record itself is left for retention to trim; nothing else depends on it.
+        """
         start = keys.EVENT if after is None else after + b"\x00"
         for key, value in self._db.items(
             start=start, stop=keys.prefix_upper_bound(keys.EVENT), snapshot=snapshot
         ):
-            yield key, Event.from_record(msgpack.unpackb(value))
+            try:
+                event = Event.from_record(msgpack.unpackb(value))
+            except (msgpack.UnpackException, ValueError, TypeError, KeyError) as exc:
+                reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                log.error("event record %s does not decode, skipped: %s", key.hex(), reason)
+                if on_corrupt is not None:
+                    on_corrupt(key, reason)
+                continue
+            yield key, event
 
     def recount(self) -> dict[bytes, int]:
         """Count everything by scanning (slow; for checks and repair): the true counters."""
