@@ -13,6 +13,7 @@ where ``zoneq export`` keeps its unfinished files and its watermark.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Final
@@ -90,26 +91,96 @@ def normalise(inputs: Sequence[str]) -> list[str]:
     return roots
 
 
-def detect_format(inputs: Sequence[str], requested: str) -> str:
-    """``requested``, or for ``auto`` the format in the local inputs' watermarks (Parquet
-    when none says)."""
+def detect_format(inputs: Sequence[str], requested: str, spark: SparkSession | None = None) -> str:
+    """The format to read ``inputs`` as: ``requested``, or for ``auto`` the format the
+    inputs hold (Parquet when none says).
+
+    What an input holds is its watermark's format, else its first part file's suffix; a
+    remote input (``hdfs://``, ``s3a://``) is listed through Hadoop's FileSystem, so only
+    when ``spark`` is given (without it, remote inputs are judged later, with it).  A
+    ``requested`` format that the part files contradict is refused here: read as the other
+    format, the files would give an empty report and a success.
+    """
+    found = held_formats(inputs, spark)
     if requested != "auto":
+        if found and requested not in found:
+            raise AnalyticsError(
+                f"--input-format {requested}, but the inputs hold {' and '.join(sorted(found))} "
+                f"part files; use --input-format {'/'.join(sorted(found))} (or auto)"
+            )
         return requested
-    found: set[str] = set()
-    for uri in inputs:
-        path = local_path(uri)
-        if path is None:
-            continue
-        try:
-            found.add(json.loads((path / WATERMARK_FILE).read_text())["format"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
     if len(found) > 1:
         raise AnalyticsError(
             f"the inputs mix export formats ({', '.join(sorted(found))}); "
             "analyse each format separately or re-export"
         )
     return found.pop() if found else "parquet"
+
+
+def held_formats(inputs: Sequence[str], spark: SparkSession | None = None) -> set[str]:
+    """The export formats found in ``inputs`` (remote ones only with ``spark``)."""
+    found: set[str] = set()
+    for uri in inputs:
+        path = local_path(uri)
+        held = _local_format(path) if path is not None else None
+        if held is None and spark is not None:
+            held = hadoop_part_format(spark, uri)
+        if held is not None:
+            found.add(held)
+    return found
+
+
+def _part_format(name: str) -> str | None:
+    """``parquet`` or ``jsonl`` for a part file's name; None for anything else (Spark
+    skips ``.``- and ``_``-names, where the export keeps unfinished files)."""
+    if name.startswith((".", "_")):
+        return None
+    suffix = name.rpartition(".")[2]
+    return suffix if suffix in FORMATS else None
+
+
+def _local_format(root: Path) -> str | None:
+    try:
+        return str(json.loads((root / WATERMARK_FILE).read_text())["format"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    for _, _, names in os.walk(root / "events"):
+        for name in names:
+            if (fmt := _part_format(name)) is not None:
+                return fmt
+    return None
+
+
+def hadoop_part_format(spark: SparkSession, uri: str) -> str | None:
+    """The first part file's format under ``uri``/events, listed through Hadoop's
+    FileSystem (any scheme Spark can read); None when there is none.  Stops at the first
+    one: an export directory holds one format (``zoneq export`` keeps it)."""
+    jvm = spark._jvm
+    assert jvm is not None
+    path = jvm.org.apache.hadoop.fs.Path(f"{uri.rstrip('/')}/events")
+    fs = path.getFileSystem(spark._jsc.hadoopConfiguration())
+    if not fs.exists(path):
+        return None
+    files = fs.listFiles(path, True)  # recursive
+    while files.hasNext():
+        fmt = _part_format(str(files.next().getPath().getName()))
+        if fmt is not None:
+            return fmt
+    return None
+
+
+def refuse_empty(count: int, roots: Sequence[str], fmt: str, spark: SparkSession) -> None:
+    """``AnalyticsError`` when 0 events were read but the inputs hold part files: they were
+    read as the wrong format (or filtered out), and an empty report would look like a quiet
+    day."""
+    if count:
+        return
+    found = held_formats(roots, spark)
+    if found:
+        raise AnalyticsError(
+            f"0 events read as {fmt}, but the inputs hold {' and '.join(sorted(found))} "
+            "part files; check --input-format"
+        )
 
 
 def _reader(
@@ -177,7 +248,10 @@ __all__ = [
     "check_versions",
     "count_versions",
     "detect_format",
+    "hadoop_part_format",
+    "held_formats",
     "normalise",
     "read_events",
     "read_queue",
+    "refuse_empty",
 ]

@@ -157,7 +157,7 @@ def build_report(
     """
     started = time.monotonic() if started is None else started
     inputs.normalise(sources)
-    fmt = inputs.detect_format(sources, input_format)
+    fmt = inputs.detect_format(sources, input_format, spark)
     if json_on_driver is None:
         json_on_driver = session.is_local(spark.sparkContext.master or "") and convert.applies(
             sources
@@ -218,6 +218,7 @@ def _build(
             if cached:
                 events.unpersist()
     count = inputs.check_versions(results.versions, EVENT_VERSIONS, "event")
+    inputs.refuse_empty(count, roots, fmt, spark)
     queued = inputs.check_versions(results.queue_versions, {QUEUE_VERSION}, "queue")
     log.debug("tables and charts: %.1f s", time.monotonic() - started)
     out.mkdir(parents=True, exist_ok=True)
@@ -294,6 +295,9 @@ def run(
             raise
         spark = starting.result()
         log.debug("Spark started: %.1f s", time.monotonic() - started)
+        if fmt_read == fmt and input_format == "auto" and inputs.held_formats(readable) != {fmt}:
+            # Not all inputs are local: detect again, listing remote ones through Hadoop.
+            fmt_read = "auto"
         try:
             return build_report(
                 spark, readable, out, input_format=fmt_read, shown=sources, started=started

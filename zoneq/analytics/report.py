@@ -48,7 +48,10 @@ DEFINITIONS: Final = """
 attempt).</li>
 <li><b>deferral rate</b> = deferred / attempts; <b>bounce rate</b> = (bounced + expired) /
 (delivered + bounced + expired).</li>
-<li><b>latency</b>: delivered time minus queued-at time; percentiles are nearest-rank.</li>
+<li><b>latency</b>: delivered time minus queued-at time, the time the message's id was
+issued at SMTP MAIL FROM (or the start of an API submission): it includes the client's
+transfer of the message and its commit, not only the time from acceptance to delivery;
+percentiles are nearest-rank.</li>
 <li><b>category</b> of a failure (deferred, bounced, expired, delayed): the reply rule's that
 fits its reply, else the reply's RFC 3463 class (network, policy, addressing, ...); events of
 exports older than categories are filed under their outcome.</li>

@@ -8,7 +8,14 @@ Definitions (the HTML report repeats them next to each table):
 * ``deferral_rate`` = deferred / attempts: how often an attempt had to be tried again;
 * ``bounce_rate`` = (bounced + expired) / (delivered + bounced + expired): the share of the
   recipients that finished and did not arrive;
-* latency = delivered event time - the message's queued-at time (its id's time), in ms;
+* latency = delivered event time - the message's queued-at time (its id's time), in ms.
+  The id is issued when the transaction begins (SMTP MAIL FROM, or an API submission's
+  start), so latency includes the client's RCPT and DATA transfer and the commit, not only
+  the time from the 250 to delivery.  Kept so on purpose: measuring from the ACCEPTED
+  event would need a join per message (a second shuffle beside the one-pass aggregation),
+  and would lose every delivery whose ACCEPTED event is in an earlier incremental export
+  or already trimmed by retention; the transfer is milliseconds next to queueing and
+  delivery, and a client that trickles DATA is then seen as the latency it is;
   percentiles are nearest-rank (the smallest value with at least p of the values at or
   below it), as Spark's ``percentile_approx`` gives exactly while a group has fewer than
   ``PERCENTILE_ACCURACY`` values, and within 1/``PERCENTILE_ACCURACY`` of the rank above;
