@@ -325,14 +325,22 @@ def test_command_refuses_a_missing_directory_clearly(tmp_path: Path) -> None:
 def test_command_exports_a_running_zoneq_through_its_api(tmp_path: Path) -> None:
     """A real ``zoneq serve`` holds the directory, so ``zoneq export`` reads the same records
     through the API; two exports with mail delivered in between hold every event once."""
-    with ok_test_bed(tmp_path) as (sink, config), running_serve(config, tmp_path / "serve.log"):
+    with (
+        ok_test_bed(tmp_path) as (sink, config),
+        running_serve(config, tmp_path / "serve.log") as serve,
+    ):
         port = smtp_port(config)
         out = tmp_path / "export"
 
         def send(count: int) -> None:
-            with smtplib.SMTP("127.0.0.1", port, timeout=30) as client:
-                for i in range(count):
-                    client.sendmail("a@src.test", [f"r{i}@ok.test"], b"Subject: x\r\n\r\nhi\r\n")
+            try:
+                with smtplib.SMTP("127.0.0.1", port, timeout=30) as client:
+                    for i in range(count):
+                        client.sendmail(
+                            "a@src.test", [f"r{i}@ok.test"], b"Subject: x\r\n\r\nhi\r\n"
+                        )
+            except (smtplib.SMTPException, OSError) as exc:
+                raise AssertionError(f"{exc!r}; serve.log ends:\n{serve.log_tail()}") from exc
 
         def export() -> subprocess.CompletedProcess[str]:
             return subprocess.run(
@@ -361,7 +369,7 @@ def test_command_exports_a_running_zoneq_through_its_api(tmp_path: Path) -> None
             while runs < 40:
                 runs += 1
                 done = export()
-                assert done.returncode == 0, done.stderr
+                assert done.returncode == 0, f"{done.stderr}\nserve.log ends:\n{serve.log_tail()}"
                 if [r["kind"] for r in read_export(out)].count("delivered") >= count:
                     return runs
                 time.sleep(0.5)

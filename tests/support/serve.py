@@ -3,8 +3,9 @@
 ``write_serve_config`` writes a zones.toml for a test bed (the remote MX's port, dnsmasq's
 port, loopback MX allowed, no TLS).  ``running_serve(config, log)`` starts ``zoneq serve
 --config F`` with its output (and its workers', which inherit it) in ``log``, waits until the
-IPC socket exists and every worker has said hello to the core, and yields a ``Serve``
-handle; on the way out it stops everything it started.
+IPC socket exists, every worker has said hello to the core and the receiver answers with
+its 220 greeting, and yields a ``Serve`` handle; on the way out it stops everything it
+started.
 
 Workers are found as the core's children (``/proc/<pid>/task/<pid>/children``, or a scan of
 ``/proc/*/stat`` for the parent PID where the kernel has no such file).  Every process ever
@@ -205,9 +206,33 @@ class Serve:
             _ipc_socket(self.config).exists()
             and len(pids) >= expected_workers
             and set(pids) <= self.connected()
+            and self.greets()
         ):
             return pids
         return None
+
+    def greets(self) -> bool:
+        """The receiver answers a connection with its 220 greeting (RFC 5321 3.1), then QUIT.
+        A listening socket alone is not ready: a client connected before the greeting can
+        be dropped (``SMTPServerDisconnected`` while connecting).  True when the config has
+        no plain receiver to ask."""
+        try:
+            port = smtp_port(self.config)
+        except (KeyError, ValueError):
+            return True
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2.0) as probe:
+                greeting = probe.makefile("rb").readline(512)
+                if not greeting.startswith(b"220"):
+                    return False
+                probe.sendall(b"QUIT\r\n")
+                return True
+        except OSError:
+            return False
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the log, for an assertion's message."""
+        return "\n".join(self.log_text().splitlines()[-lines:])
 
     def wait_ready(self, expected_workers: int, timeout: float = START_TIMEOUT) -> list[int]:
         """Wait until the socket exists and ``expected_workers`` workers have connected."""
@@ -218,7 +243,8 @@ class Serve:
                 return pids
             time.sleep(0.05)
         raise RuntimeError(
-            f"zoneq serve not ready within {timeout} s (workers {self.workers()}):\n"
+            f"zoneq serve not ready within {timeout} s (workers {self.workers()}, "
+            f"SMTP greeting {'seen' if self.greets() else 'not seen'}):\n"
             f"{self.log_text()}"
         )
 
