@@ -3,7 +3,8 @@
 Theory of operation
 -------------------
 The protocol lives in ``zoneq.protocol.smtp_server`` (sans-IO); this module owns the
-sockets; what it accepts goes to a ``MessageSink`` (``zoneq.ipc.intake_messages``): the
+sockets (through ``connection.Link``, a small protocol in place of asyncio's streams);
+what it accepts goes to a ``MessageSink`` (``zoneq.ipc.intake_messages``): the
 queue store itself when the receiver runs in the core, the core over a socket when it runs
 in receiver processes (``receiver.processes``; ``process.py``).  Each session is one task
 running a simple loop: read some bytes, feed them to the machine, act on every event that
@@ -90,6 +91,7 @@ from zoneq.protocol.smtp_server import (
     State,
 )
 from zoneq.receiver.auth import Authenticator, AuthSession, Outcome
+from zoneq.receiver.connection import Link
 from zoneq.receiver.deadline import RequestDeadline
 from zoneq.receiver.hooks import ReceiveHooks, Routed
 from zoneq.receiver.message import (
@@ -107,7 +109,6 @@ __all__ = ["SmtpReceiver"]
 
 log = logging.getLogger("zoneq.receiver")
 
-_READ_SIZE: Final = 65_536
 _CLOSE_GRACE_S: Final = 5.0  # how long close() lets sessions finish a commit in flight
 
 
@@ -124,11 +125,6 @@ NO_POSTMASTER: Final = _r(550, "No postmaster address is configured here", 5, 1,
 def _counted(admission: asyncio.Future[bool]) -> bool:
     """Whether a settled admission counted the connection (a failed one did not)."""
     return not admission.cancelled() and admission.exception() is None and admission.result()
-
-
-def _peer_ip(writer: asyncio.StreamWriter) -> str:
-    peer = writer.get_extra_info("peername")
-    return str(peer[0]) if isinstance(peer, tuple) and peer else ""
 
 
 def _bye(code_text: str, klass: int, subject: int, detail: int, hostname: str) -> Reply:
@@ -182,11 +178,12 @@ class SmtpReceiver:
         """Listen on ``receiver.listen``, or accept on ``sock``, a listening socket that the
         core bound and handed to this receiver process (and its siblings: the kernel
         spreads the connections among the processes accepting on it)."""
+        loop = asyncio.get_running_loop()
         if sock is not None:
-            self._server = await asyncio.start_server(self._accept, sock=sock)
+            self._server = await loop.create_server(self._link, sock=sock)
         else:
             host, port = self.config.receiver.listen_address
-            self._server = await asyncio.start_server(self._accept, host, port)
+            self._server = await loop.create_server(self._link, host, port)
         self._port = int(self._server.sockets[0].getsockname()[1])
         # Receiver processes (``sock``) never have one: config refuses tls_listen with them.
         tls_listen = self.config.receiver.tls_listen_address
@@ -197,7 +194,9 @@ class SmtpReceiver:
         """The ``receiver.tls_listen`` listener; a port that cannot be bound closes ``listen``
         again and is a ``ListenError`` naming the address (nothing half-started)."""
         try:
-            self._tls_server = await asyncio.start_server(self._accept_implicit_tls, host, port)
+            self._tls_server = await asyncio.get_running_loop().create_server(
+                lambda: Link(self._accept_implicit_tls), host, port
+            )
         except OSError as exc:
             assert self._server is not None
             self._server.close()
@@ -245,9 +244,10 @@ class SmtpReceiver:
             if server is not None:
                 await server.wait_closed()
 
-    async def _accept_implicit_tls(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    def _link(self) -> Link:
+        return Link(self._accept)
+
+    async def _accept_implicit_tls(self, link: Link) -> None:
         """RFC 8314 section 3.3: the handshake (bounded; one info line if it fails), then the
         session as on ``listen``, under TLS from its start.  The connection is counted
         against ``max_connections_per_client`` once the handshake is done, so that a 421
@@ -260,37 +260,35 @@ class SmtpReceiver:
         try:
             # The first await of the connection (tls.py says why it must be).
             timeout = self.handshake_timeout_s
-            version = await accept_tls(writer, context, timeout_s=timeout, peer=_peer_ip(writer))
+            version = await accept_tls(link, context, timeout_s=timeout, peer=link.peer_ip())
         except asyncio.CancelledError:
             version = None  # close() during the handshake
         finally:
             self._handshakes.discard(task)
         if version is None or self._closing:
-            writer.close()
+            link.close()
             return
-        await self._accept(reader, writer, tls=version)
+        await self._accept(link, tls=version)
 
-    async def _accept(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tls: str = ""
-    ) -> None:
-        """A session on ``writer``'s connection; ``tls``: the TLS version when the connection
-        is under TLS already (the implicit-TLS listener)."""
-        ip = _peer_ip(writer)
+    async def _accept(self, link: Link, tls: str = "") -> None:
+        """A session on ``link``; ``tls``: the TLS version when the connection is under TLS
+        already (the implicit-TLS listener)."""
+        ip = link.peer_ip()
         if self._closing:
-            writer.close()
+            link.close()
             return
         try:
             admission = self.sink.admit(ip)
         except CoreUnreachable:
-            await self._turn_away(writer, "Service not available, queue unreachable", 3, 0)
+            await self._turn_away(link, "Service not available, queue unreachable", 3, 0)
             return
         if admission.done() and not _counted(admission):
             if admission.exception() is not None:
-                await self._turn_away(writer, "Service not available, queue unreachable", 3, 0)
+                await self._turn_away(link, "Service not available, queue unreachable", 3, 0)
             else:
-                await self._turn_away(writer, TOO_MANY, 7, 0)
+                await self._turn_away(link, TOO_MANY, 7, 0)
             return
-        session = _Session(self, reader, writer, ip, admission, tls=tls)
+        session = _Session(self, link, ip, admission, tls=tls)
         session.task = asyncio.current_task()
         self._sessions.add(session)
         try:
@@ -306,21 +304,19 @@ class SmtpReceiver:
             else:
                 admission.add_done_callback(lambda _: self._release(admission, ip))
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), 1.0)
+                await asyncio.wait_for(link.wait_closed(), 1.0)
 
     def _release(self, admission: asyncio.Future[bool], ip: str) -> None:
         if _counted(admission):
             self.sink.release(ip)
 
-    async def _turn_away(
-        self, writer: asyncio.StreamWriter, text: str, subject: int, detail: int
-    ) -> None:
+    async def _turn_away(self, link: Link, text: str, subject: int, detail: int) -> None:
         """421 instead of the greeting (RFC 5321 section 3.1), then close."""
         bye = _bye(text, 4, subject, detail, self.hostname)
         with contextlib.suppress(ConnectionError):
-            writer.write(bye.to_wire())
-            await writer.drain()
-        writer.close()
+            link.write(bye.to_wire())
+            await link.drain()
+        link.close()
 
 
 class _Session:
@@ -335,8 +331,7 @@ class _Session:
     def __init__(
         self,
         receiver: SmtpReceiver,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
+        link: Link,
         ip: str,
         admission: asyncio.Future[bool],
         *,
@@ -347,8 +342,7 @@ class _Session:
         self.admission: asyncio.Future[bool] | None = None if admission.done() else admission
         self.receiver = receiver
         self.sink = receiver.sink
-        self.reader = reader
-        self.writer = writer
+        self.link = link
         self.ip = ip
         self.task: asyncio.Task[None] | None = None
         self.conn = ServerConnection(
@@ -408,14 +402,14 @@ class _Session:
     async def run(self) -> None:
         self.loop = asyncio.get_running_loop()
         try:
-            self.writer.write(self.conn.greeting())
-            writer = self.writer
+            link = self.link
+            link.write(self.conn.greeting())
             while not self.conn.closed:
                 # Only when a reply is still queued (a slow client): drain() is two
                 # coroutine calls per read for nothing otherwise, as a loopback or LAN
                 # client takes each reply whole.
-                if writer.transport.get_write_buffer_size():
-                    await writer.drain()
+                if link.write_buffer_size():
+                    await link.drain()
                 if self._stopping:
                     self._say_bye("Service shutting down", 4, 3, 2)
                     break
@@ -431,8 +425,8 @@ class _Session:
                 out = self.conn.data_to_send()
                 if out:
                     self.deadline.restart()  # a request was answered: the next one starts
-                    self.writer.write(out)
-            await self.writer.drain()
+                    link.write(out)
+            await link.drain()
         except asyncio.CancelledError:
             if not self._stopping:
                 raise
@@ -448,7 +442,7 @@ class _Session:
         finally:
             self._unwatch()
             await self._end_transaction()
-            self.writer.close()  # SmtpReceiver._accept waits for the close
+            self.link.close()  # SmtpReceiver._accept waits for the close
 
     async def _read(self) -> bytes | None:
         """The next bytes from the client ("" at EOF), or None when the request in progress
@@ -462,7 +456,7 @@ class _Session:
         self._watch(started + deadline.left)
         self._waiting_input = True
         try:
-            data = await self.reader.read(_READ_SIZE)
+            data = await self.link.read()
         except asyncio.CancelledError:
             if not self._timed_out:
                 raise
@@ -523,7 +517,7 @@ class _Session:
     def _say_bye(self, text: str, klass: int, subject: int, detail: int) -> None:
         with contextlib.suppress(Exception):
             reply = _bye(text, klass, subject, detail, self.receiver.hostname)
-            self.writer.write(self.conn.data_to_send() + reply.to_wire())
+            self.link.write(self.conn.data_to_send() + reply.to_wire())
 
     async def _handle(self, events: Iterable[Event]) -> None:
         """Act on events in order; decisions produce more events, handled in turn."""
@@ -558,11 +552,11 @@ class _Session:
         await self._end_transaction()
         context = self.receiver.tls_context
         assert context is not None  # the machine offers STARTTLS only with a context
-        self.writer.write(self.conn.data_to_send())
+        self.link.write(self.conn.data_to_send())
         timeout = self.receiver.idle_timeout_s
-        if not await start_tls(self.reader, self.writer, context, timeout_s=timeout, peer=self.ip):
+        if not await start_tls(self.link, context, timeout_s=timeout, peer=self.ip):
             raise _SessionOver
-        ssl_object = self.writer.get_extra_info("ssl_object")
+        ssl_object = self.link.get_extra_info("ssl_object")
         self.tls = str(ssl_object.version()) if ssl_object is not None else "TLS"
         self.helo = ""
         self.deadline.restart()
@@ -728,7 +722,7 @@ class _Session:
             source=self._source(),
         )
         # Replies to pipelined commands before the dot go out while the commit syncs.
-        self.writer.write(self.conn.data_to_send())
+        self.link.write(self.conn.data_to_send())
         try:
             now = self.receiver.clock()
             await asyncio.shield(

@@ -7,8 +7,8 @@ OpenSSL's current cipher and option choices.
 
 Plaintext pipelined behind STARTTLS must never be read as if it had come inside the TLS
 session (RFC 3207 section 4.2; the 2011 command-injection bugs, CVE-2011-0411 in Postfix
-and its kin).  The state machine drops whatever it had buffered; the bytes asyncio's
-``StreamReader`` may already hold are dropped here before the handshake starts.
+and its kin).  The state machine drops whatever it had buffered; the bytes the connection
+(``connection.Link``) may already hold are dropped here before the handshake starts.
 
 Implicit TLS (``receiver.tls_listen``, RFC 8314 section 3.3, the "submissions" port 465):
 the handshake is the first thing on the connection, before the greeting.  The listener is a
@@ -16,24 +16,24 @@ plain TCP one and each connection is upgraded here, rather than ``start_server(s
 so that a failed or slow handshake gets our one log line (asyncio's own server is silent
 about them outside debug mode) and the server can cancel handshakes in progress when it
 closes.  The upgrade must start before the event loop first reads the socket, or the
-client's ClientHello would land in the ``StreamReader`` instead of the TLS layer: asyncio and
-uvloop both run a new connection's callback before its first read, and ``accept_tls`` is
-the callback's first await.  The handshake is bounded by ``handshake_timeout`` (a client
-that never sends a ClientHello is dropped, not kept).
+client's ClientHello would land in the session's buffer instead of the TLS layer: asyncio
+and uvloop both run a task created in ``connection_made`` before the first read, and
+``accept_tls`` is that task's first await.  The handshake is bounded by
+``handshake_timeout`` (a client that never sends a ClientHello is dropped, not kept).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import ssl
 from pathlib import Path
 from typing import Final
 
+from zoneq.receiver.connection import Link
+
 __all__ = [
     "HANDSHAKE_TIMEOUT_S",
     "accept_tls",
-    "discard_buffered",
     "handshake_timeout",
     "server_context",
     "start_tls",
@@ -60,57 +60,35 @@ def server_context(cert: Path, key: Path) -> ssl.SSLContext:
     return context
 
 
-def discard_buffered(reader: asyncio.StreamReader) -> int:
-    """Drop the bytes ``reader`` holds unread; returns how many.
-
-    asyncio has no public call for this.  The buffer is ``_buffer`` (a bytearray) in every
-    CPython 3.11+ ``StreamReader``; if that ever changes, the upgrade is refused rather
-    than risk reading injected plaintext as TLS data.
-    """
-    buffer = getattr(reader, "_buffer", None)
-    if not isinstance(buffer, bytearray):
-        raise RuntimeError("cannot clear the StreamReader buffer before STARTTLS")
-    dropped = len(buffer)
-    buffer.clear()
-    return dropped
-
-
-async def start_tls(
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
-    context: ssl.SSLContext,
-    *,
-    timeout_s: float,
-    peer: str,
-) -> bool:
-    """Run the server side of the STARTTLS handshake on ``writer``'s connection.
+async def start_tls(link: Link, context: ssl.SSLContext, *, timeout_s: float, peer: str) -> bool:
+    """Run the server side of the STARTTLS handshake on ``link``.
 
     Returns False when it failed (one log line, no traceback: a client that gives up on
     our certificate or speaks no TLS is not our fault); the session must then end.
     """
     try:
-        await writer.drain()  # the 220 is out; nothing is read from here to the handshake
-        dropped = discard_buffered(reader)
-    except (OSError, RuntimeError) as exc:
+        await link.drain()  # the 220 is out; nothing is read from here to the handshake
+        dropped = link.discard_buffered()
+    except OSError as exc:
         log.info("%s: TLS handshake failed: %s", peer, exc or type(exc).__name__)
         return False
     if dropped:
         log.info("%s: %d octet(s) pipelined after STARTTLS discarded", peer, dropped)
-    return await accept_tls(writer, context, timeout_s=timeout_s, peer=peer) is not None
+    return await accept_tls(link, context, timeout_s=timeout_s, peer=peer) is not None
 
 
 async def accept_tls(
-    writer: asyncio.StreamWriter, context: ssl.SSLContext, *, timeout_s: float, peer: str
+    link: Link, context: ssl.SSLContext, *, timeout_s: float, peer: str
 ) -> str | None:
-    """The server side of a TLS handshake on ``writer``'s connection, within ``timeout_s``:
+    """The server side of a TLS handshake on ``link``, within ``timeout_s``:
     the protocol version agreed (``"TLSv1.3"``), or None when it failed (logged at info
     without a traceback: a plaintext client on the TLS port, or one that rejects our
     certificate, is not a fault of ours).  The caller closes the connection on None."""
     try:
-        await writer.start_tls(context, ssl_handshake_timeout=timeout_s)
+        await link.start_tls(context, timeout_s=timeout_s)
     except (ssl.SSLError, OSError, TimeoutError, RuntimeError, EOFError) as exc:
         log.info("%s: TLS handshake failed: %s", peer, exc or type(exc).__name__)
         return None
-    ssl_object = writer.get_extra_info("ssl_object")
+    ssl_object = link.get_extra_info("ssl_object")
     version = ssl_object.version() if isinstance(ssl_object, ssl.SSLObject) else None
     return str(version or "TLS")
