@@ -27,6 +27,7 @@ Removing the header before delivery is the receiver's job, once it reads headers
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -198,6 +199,10 @@ class Router:
         return decided
 
 
+# Called for every recipient with the session's client address: parsing it with
+# ipaddress each time was about 4.6% of the core's CPU per accepted message (py-spy under
+# tools/bench/accept_bench.py).  Few distinct clients send at once; the cache is bounded.
+@functools.lru_cache(maxsize=4096)
 def _parse_ip(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     if not text:
         return None
