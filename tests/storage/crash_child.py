@@ -73,8 +73,13 @@ class Ledger:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def log(self, kind: str, **fields: Any) -> None:
-        line = json.dumps({"t": kind, **fields}, separators=(",", ":")) + "\n"
-        os.write(self._fd, line.encode())
+        data = memoryview(
+            (json.dumps({"t": kind, **fields}, separators=(",", ":")) + "\n").encode()
+        )
+        # os.write may write less than asked (seen under load in CI: a line cut short and
+        # the next glued to it); the rest must follow, or the ledger is unreadable.
+        while data:
+            data = data[os.write(self._fd, data) :]
         os.fsync(self._fd)
 
     def close(self) -> None:
