@@ -102,6 +102,23 @@ def _free_port(host: str) -> int:
         return int(probe.getsockname()[1])
 
 
+def _free_host(port: int | None) -> str:
+    """A random 127.0.0.x, one where ``port`` is free when several sinks share a port: two
+    sinks drawn on the same address made the second fail to bind while the first answered
+    its readiness probe, so two domains' MX hosts were one sink (a flaky test in CI)."""
+    for _attempt in range(50):
+        host = f"127.0.0.{random.randint(2, 250)}"
+        if port is None:
+            return host
+        with socket.socket(socket.AF_INET) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        return host
+    raise RuntimeError(f"no 127.0.0.x address with port {port} free")
+
+
 def _wait_listening(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -123,7 +140,7 @@ def run_smtp_sink(
     free one.  ``backlog``: its listen queue; benchmarks need a long one, or a burst of
     connections is refused and the sender backs off from a host that is merely busy."""
     binary = smtp_sink_binary()
-    host = host or f"127.0.0.{random.randint(2, 250)}"
+    host = host or _free_host(port)
     dump_dir = Path(tempfile.mkdtemp(prefix="zoneq-sink-"))
     dump_dir.chmod(0o777)
     log = dump_dir / "smtp-sink.log"
