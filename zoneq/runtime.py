@@ -208,8 +208,6 @@ class StoreSink:
             source=m.source,
         )
         news = [NewRecipient(r.address, r.zone, r.notify, r.orcpt) for r in recipients]
-        if not dropped:
-            return self._store.commit(meta, news, now_ms, tail=tail)
         gone = [StoreDropped(d.address, d.zone, d.reason) for d in dropped]
         return self._store.commit(meta, news, now_ms, tail=tail, dropped=gone)
 

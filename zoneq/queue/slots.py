@@ -146,11 +146,6 @@ class DomainSlots:
     def mx_in_flight(self, mx_host: str) -> int:
         return len(self._on_host.get(mx_host.lower().rstrip("."), ()))
 
-    def mx_of(self, domain: str) -> str | None:
-        """The MX host (with a limit) learnt for ``domain``, if any."""
-        known = self._mx_of.get(domain)
-        return known[0] if known is not None else None
-
     def held(self, owner: str | None = None) -> list[Slot]:
         """Every slot held (by ``owner``); for tests and diagnostics."""
         return [s for s in self._slots.values() if owner is None or s.owner == owner]
