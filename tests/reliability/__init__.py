@@ -12,7 +12,7 @@ possible duplicate (the RFC 1047 window) or, for a SIGKILL, what was in flight a
 ``test_disk_full``     the queue's tmpfs fills up: 4xx, delivery goes on, heals alone
 ``test_remote_down``   connections refused, then accepted: resumes with no restart
 ``test_corruption``    a garbage record: quarantined, the rest delivered; one zoneq
-``test_clock_jump``    five days later (libfaketime): one bounce each, no storm
+``test_clock_jump``    +5 days while running and across a restart: one bounce each
 ``test_audit``         the verdict itself on made-up ledgers (no processes)
 =====================  ==========================================================
 
