@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
-from tests.storage.test_full_disk import mounted_tmpfs as storage_tmpfs
 from tests.support.dnsmasq import Dnsmasq, running_dnsmasq
 from tests.support.serve import write_serve_config
 from tests.support.smtpsink import Sink, run_smtp_sink
-from tests.support.testbed import missing
 from zoneq.storage.store import QueueStore
 
 WORKERS = 2  # one process for the default zone, one for the bounce zone
@@ -139,15 +134,3 @@ def data_dir_of(config: Path) -> Path:
     match = re.search(r'^data_dir = "(.*)"$', config.read_text(), flags=re.M)
     assert match, f"no data_dir in {config}"
     return Path(match.group(1))
-
-
-def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of ``size`` at ``mount_point`` (the storage tests' helper), under the test
-    bed's rule: a tmpfs that cannot be had fails the test when the bed was set up
-    (``ZONEQ_TESTBED``, as in CI) instead of skipping it, and skips it otherwise."""
-    if os.geteuid() != 0:
-        missing("mounting a tmpfs needs root")
-    try:
-        yield from storage_tmpfs(mount_point, size)
-    except pytest.skip.Exception as skipped:  # the mount itself failed
-        missing(str(skipped.msg))

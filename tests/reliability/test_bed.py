@@ -1,5 +1,6 @@
-"""The fault suite's bed follows the test bed's rule: what it cannot have fails under
-``ZONEQ_TESTBED`` (CI), and only skips when the bed was not set up (a run by hand)."""
+"""The tmpfs of the fault suite and the storage tests follows the test bed's rule: what it
+cannot have fails under ``ZONEQ_TESTBED`` (CI), and only skips when the bed was not set up
+(a run by hand)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability import bed
+from tests.support import tmpfs
 
 
 @pytest.fixture(params=["under the test bed", "by hand"])
@@ -33,7 +34,7 @@ def test_a_tmpfs_that_cannot_be_had_is_missing_under_the_bed_rule(
     case: tuple[int, str, str],
 ) -> None:
     euid, size, says = case
-    monkeypatch.setattr(bed.os, "geteuid", lambda: euid)
+    monkeypatch.setattr(tmpfs.os, "geteuid", lambda: euid)
     with pytest.raises(outcome, match=says):
-        next(bed.mounted_tmpfs(tmp_path / "disk", size))
+        next(tmpfs.mounted_tmpfs(tmp_path / "disk", size))
     assert not (tmp_path / "disk").is_mount()

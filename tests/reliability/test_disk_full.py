@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.bed import WORKERS, QueueState, inspect_queue, mail_bed, mounted_tmpfs
+from tests.reliability.bed import WORKERS, QueueState, inspect_queue, mail_bed
 from tests.support.ledger import (
     Audit,
     Dumps,
@@ -34,6 +34,7 @@ from tests.support.ledger import (
     wait_settled,
 )
 from tests.support.serve import smtp_port, start_serve
+from tests.support.tmpfs import mounted_tmpfs
 
 pytestmark = pytest.mark.integration
 

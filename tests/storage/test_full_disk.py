@@ -1,6 +1,8 @@
 """A real full disk: a 4 MiB tmpfs fills up under the store, then space comes back.
 
-Needs root (``mount -t tmpfs``); skipped otherwise.  The contract:
+Needs root (``mount -t tmpfs``): without it, or where the mount fails, the tests fail
+under the test bed (``ZONEQ_TESTBED``, as in CI) and skip in a run by hand
+(``tests/support/tmpfs.py``).  The contract:
 
 * a commit on a full disk raises ``StorageUnavailable`` and nothing else;
 * no commit that returned normally is lost;
@@ -15,13 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.storage.conftest import T0, StoreFactory, async_test, make_meta, rcpts
+from tests.support.tmpfs import mounted_tmpfs
 from zoneq.errors import DiskFull, InsufficientStorage, StorageUnavailable
 from zoneq.storage.space import SpaceGuard
 from zoneq.storage.store import Outcome, QueueStore
@@ -33,27 +35,6 @@ TMPFS_SIZE = "4m"
 FILLER_SIZE = 1 << 20
 CHUNK = 64 * 1024
 CHUNKS_PER_MESSAGE = 3
-
-
-def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
-    """Mount a tmpfs of ``size`` at ``mount_point`` for the test, unmount after."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount_point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
-    try:
-        yield mount_point
-    finally:
-        done = subprocess.run(["umount", str(mount_point)], capture_output=True, check=False)
-        if done.returncode != 0:
-            subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, check=False)
 
 
 @pytest.fixture
