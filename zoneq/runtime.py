@@ -128,7 +128,8 @@ async def serve(config: Config, config_path: Path | None = None) -> None:
         plugins = PluginHost.from_config(config)
         running.push_async_callback(plugins.close)
         service = QueueService.from_config(store, config, clock=now_ms, plugins=plugins)
-        server = IpcServer(Path(config.server.ipc_socket), QueueHandler(service, set(config.zones)))
+        handler = QueueHandler(service, set(config.zones))
+        server = IpcServer(Path(config.server.ipc_socket), handler)
         await server.start()
         running.push_async_callback(server.close)
         supervisor = Supervisor(
@@ -140,7 +141,9 @@ async def serve(config: Config, config_path: Path | None = None) -> None:
         api = await _listening(
             "HTTP API",
             config.api.listen,
-            start_api(store, service, config, clock=now_ms, plugins=plugins),
+            start_api(
+                store, service, config, clock=now_ms, plugins=plugins, workers=handler.figures
+            ),
         )
         if api is not None:
             running.push_async_callback(api.close)  # stopped right after the receiver

@@ -98,6 +98,7 @@ requests: st.SearchStrategy[Request] = st.one_of(
         lease_jobs=st.integers(0, 2**32),
         kept=slot_ids,
         closed=slot_ids,
+        dead_hosts=st.none() | st.integers(0, 2**63),
     ),
 )
 replies: st.SearchStrategy[Reply] = st.one_of(
@@ -445,3 +446,53 @@ def test_a_bad_slot_names_the_field() -> None:
         Job.from_wire({**SLOTTED_JOB, "slot": -1}, "job")
     with pytest.raises(ProtocolError, match=r"leased\.close: expected array"):
         decode_reply(open_envelope(envelope_of("leased", {"jobs": [], "close": 3})))
+
+
+# --- the worker's count of dead MX addresses (issue 7): optional both ways ----------------
+
+
+@pytest.mark.parametrize(
+    ("body", "decoded"),
+    [
+        # A worker of the previous release says nothing: the core keeps what it knew.
+        ({"results": []}, Report(results=())),
+        ({"results": [], "dead_hosts": None}, Report(results=())),
+        ({"results": [], "dead_hosts": 0}, Report(results=(), dead_hosts=0)),
+        ({"results": [], "dead_hosts": 3}, Report(results=(), dead_hosts=3)),
+        ({"results": [], "closed": [5], "dead_hosts": 1}, Report((), closed=(5,), dead_hosts=1)),
+    ],
+)
+def test_report_tells_the_dead_host_count_only_when_it_says_so(
+    body: object, decoded: Request
+) -> None:
+    assert decode_request(open_envelope(envelope_of("report", body))) == decoded
+
+
+@pytest.mark.parametrize(
+    ("report", "wire"),
+    [
+        (Report(results=()), {"results": [], "lease_jobs": 0}),
+        # 0 is said: "none now" is news to a core that was told 2 before.
+        (Report(results=(), dead_hosts=0), {"results": [], "lease_jobs": 0, "dead_hosts": 0}),
+        (Report(results=(), dead_hosts=2), {"results": [], "lease_jobs": 0, "dead_hosts": 2}),
+    ],
+)
+def test_an_unsaid_dead_host_count_stays_off_the_wire(
+    report: Report, wire: dict[str, object]
+) -> None:
+    assert seal(1, report)["body"] == wire
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (-1, "report.dead_hosts: must be at least 0, got -1"),
+        (True, "report.dead_hosts: expected int, got bool"),
+        ("2", "report.dead_hosts: expected int, got str"),
+        (1.0, "report.dead_hosts: expected int, got float"),
+    ],
+)
+def test_a_bad_dead_host_count_names_the_field(value: object, says: str) -> None:
+    body = {"results": [], "dead_hosts": value}
+    with pytest.raises(ProtocolError, match=re.escape(says)):
+        decode_request(open_envelope(envelope_of("report", body)))

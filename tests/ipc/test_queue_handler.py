@@ -3,14 +3,15 @@ service, the IPC server on a Unix socket, and the worker's client.
 
 What is checked here is the one-round-trip delivery loop: a ``Report`` that asks for the
 next job (``lease_jobs``) is committed first and then answered with a job that was ready,
-never held up waiting for one; and a ``Report`` without it leases nothing.
+never held up waiting for one; and a ``Report`` without it leases nothing.  And the
+worker's count of dead MX addresses: kept per connection while it is up, gone with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from zoneq.config import load_config
 from zoneq.errors import NotFound
 from zoneq.ipc.client import IpcClient
 from zoneq.ipc.core import QueueHandler
+from zoneq.ipc.figures import WorkerFigures
 from zoneq.ipc.messages import Hello, Job, Outcome, RecipientReport
 from zoneq.ipc.server import IpcServer
 from zoneq.queue.service import QueueService
@@ -34,13 +36,14 @@ TIMEOUT_S = 5.0
 
 @asynccontextmanager
 async def core_and_client(
-    tmp_path: Path,
+    tmp_path: Path, figures: WorkerFigures | None = None
 ) -> AsyncIterator[tuple[QueueStore, QueueService, IpcClient]]:
     config = load_config()
     store = QueueStore.open(tmp_path / "queue")
     store.recover()
     service = QueueService.from_config(store, config)
-    server = IpcServer(tmp_path / "core.sock", QueueHandler(service, set(config.zones)))
+    handler = QueueHandler(service, set(config.zones), figures)
+    server = IpcServer(tmp_path / "core.sock", handler)
     await server.start()
     client = await IpcClient.connect(tmp_path / "core.sock", HELLO)
     try:
@@ -124,3 +127,34 @@ async def test_stale_report_is_refused_and_still_leases(tmp_path: Path) -> None:
         assert next_job.msg_id != job.msg_id
         assert service.in_flight() == 1  # the next job is the worker's now
         assert store.message_count() == 1
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait (bounded) for ``condition``: a disconnect reaches the core a moment later."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+@async_test
+async def test_the_dead_host_count_is_kept_per_worker_until_it_disconnects(
+    tmp_path: Path,
+) -> None:
+    figures = WorkerFigures([Z])
+    async with core_and_client(tmp_path, figures) as (store, _, client):
+        other = await IpcClient.connect(tmp_path / "core.sock", Hello(zone=Z, worker="w2", pid=2))
+        try:
+            await client.report((), dead_hosts=2)
+            await other.report((), dead_hosts=1)
+            assert figures.dead_hosts() == {Z: 3}
+            # A report that does not say leaves the figure as it was.
+            await queue_message(store, [("u@d.example", Z)])
+            (job,) = await client.lease()
+            await client.report(delivered(job))
+            assert figures.dead_hosts() == {Z: 3}
+            await client.report((), dead_hosts=0)
+            assert figures.dead_hosts() == {Z: 1}
+        finally:
+            await other.close()
+        await until(lambda: figures.dead_hosts() == {Z: 0})

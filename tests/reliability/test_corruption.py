@@ -16,8 +16,6 @@ import json
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +25,7 @@ import pytest
 
 from tests.reliability.bed import WORKERS, QueueState, data_dir_of, inspect_queue, mail_bed
 from tests.support.ledger import SENDER, Dumps, Ledger, make_message, wait_settled
-from tests.support.serve import ROOT, api_port, start_serve
+from tests.support.serve import ROOT, api_get, api_port, start_serve
 from zoneq.storage import keys
 from zoneq.storage.records import MessageMeta, NewRecipient
 from zoneq.storage.store import QueueStore
@@ -90,16 +88,6 @@ def corrupt_key(directory: Path, key: bytes, value: bytes | None) -> None:
         db.close()
 
 
-def get_json(port: int, path: str, token: str | None = None) -> tuple[int, str]:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
-
-
 @dataclass
 class Run:
     expected: set[tuple[str, str]]  # every pair but the corrupt one
@@ -142,8 +130,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             settled = wait_settled(bed.sink, dumps, expected, timeout=30.0)
             port = api_port(config)
             token = (queue / "api.token").read_text().strip()
-            health = get_json(port, "/health")
-            metrics = get_json(port, "/metrics", token)
+            health = api_get(port, "/health")
+            metrics = api_get(port, "/metrics", token)
             # A second zoneq on the same queue, while the first runs on.
             second = subprocess.run(
                 [sys.executable, "-m", "zoneq", "serve", "--config", str(config)],

@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 import tomllib
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +101,18 @@ def smtp_port(config: Path) -> int:
 def api_port(config: Path) -> int:
     """The port the HTTP API of ``config`` listens on."""
     return _port(config, "api")
+
+
+def api_get(port: int, path: str, token: str | None = None) -> tuple[int, str]:
+    """GET ``path`` of the HTTP API on 127.0.0.1:``port``: the status and the body's text
+    (an error status is returned, not raised)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
 
 
 def _port(config: Path, section: str) -> int:

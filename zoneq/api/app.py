@@ -23,6 +23,7 @@ from zoneq.api.routes import setup_routes
 from zoneq.api.suppression_list import SuppressionLists
 from zoneq.api.token import ensure_token
 from zoneq.config import Config
+from zoneq.ipc.figures import WorkerFigures
 from zoneq.plugin import PluginHost
 from zoneq.queue.admin import QueueAdmin
 from zoneq.queue.intake import Intake
@@ -43,8 +44,10 @@ def create_app(
     token: str,
     clock: Callable[[], int],
     plugins: PluginHost | None = None,
+    workers: WorkerFigures | None = None,
 ) -> web.Application:
-    """``plugins``: the core's, asked at ``queue:route`` for every submitted recipient."""
+    """``plugins``: the core's, asked at ``queue:route`` for every submitted recipient;
+    ``workers``: what the zone workers report of themselves, for ``/metrics``."""
     admin = QueueAdmin(store, service, list(config.zones), clock=clock)
     ctx = ApiContext(
         store=store,
@@ -53,7 +56,7 @@ def create_app(
         config=config,
         clock=clock,
         token=token,
-        registry=new_registry(store, admin),
+        registry=new_registry(store, admin, workers),
         suppression=SuppressionLists.from_config(config),
     )
     # A JSON submission is read whole (attachments in base64 are 4/3 of their size); raw
@@ -92,6 +95,7 @@ async def start_api(
     *,
     clock: Callable[[], int],
     plugins: PluginHost | None = None,
+    workers: WorkerFigures | None = None,
 ) -> ApiServer | None:
     """The API as ``zoneq serve`` runs it, or None when ``api.enabled`` is false.
 
@@ -102,7 +106,9 @@ async def start_api(
         return None
     token = ensure_token(config)
     host, port = config.api.listen_address
-    app = create_app(store, service, config, token=token, clock=clock, plugins=plugins)
+    app = create_app(
+        store, service, config, token=token, clock=clock, plugins=plugins, workers=workers
+    )
     server = ApiServer(app, host, port)
     try:
         await server.start()

@@ -5,6 +5,8 @@ buckets with ``+Inf``, ``_sum`` and ``_count``) exactly as Prometheus parses it.
 counted on the hot paths for it: a custom collector reads, at scrape time,
 
 * queue sizes from the store's O(1) counters (per zone and state, messages, paused zones);
+* MX addresses the zone workers' dead-host caches rest now, per zone (``zoneq_dead_hosts``):
+  the latest count each connected worker reported (``zoneq.ipc.figures``), summed;
 * corrupt records the store has quarantined since start (its in-memory list: the records
   stay on disk, and the count starts again when a restart meets them again);
 * totals (accepted, delivered, deferred, bounced, expired, dropped) and the delivery
@@ -34,6 +36,7 @@ from prometheus_client.registry import Collector
 
 from zoneq.api.context import context
 from zoneq.api.models import Health
+from zoneq.ipc.figures import WorkerFigures
 from zoneq.protocol.events import EventKind
 from zoneq.queue.admin import QueueAdmin
 from zoneq.storage import keys
@@ -110,9 +113,12 @@ class EventTally:
 class QueueCollector(Collector):
     """Everything ``/metrics`` shows, computed at scrape time."""
 
-    def __init__(self, store: QueueStore, admin: QueueAdmin) -> None:
+    def __init__(
+        self, store: QueueStore, admin: QueueAdmin, workers: WorkerFigures | None = None
+    ) -> None:
         self._store = store
         self._admin = admin
+        self._workers = workers
         self.tally = EventTally(store)
 
     def collect(self) -> Iterator[Metric]:
@@ -143,6 +149,15 @@ class QueueCollector(Collector):
             "Corrupt queue records set aside (kept on disk for an operator) since start",
             value=len(self._store.quarantined),
         )
+        if self._workers is not None:  # an API without workers behind it has no figure
+            dead = GaugeMetricFamily(
+                "zoneq_dead_hosts",
+                "MX addresses the zone's workers skip for now after failed connections",
+                labels=["zone"],
+            )
+            for zone, count in sorted(self._workers.dead_hosts().items()):
+                dead.add_metric([zone], count)
+            yield dead
         yield from self._totals()
 
     def _totals(self) -> Iterator[Metric]:
@@ -181,9 +196,11 @@ class QueueCollector(Collector):
         yield latency
 
 
-def new_registry(store: QueueStore, admin: QueueAdmin) -> CollectorRegistry:
+def new_registry(
+    store: QueueStore, admin: QueueAdmin, workers: WorkerFigures | None = None
+) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(QueueCollector(store, admin))
+    registry.register(QueueCollector(store, admin, workers))
     return registry
 
 

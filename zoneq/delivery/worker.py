@@ -118,6 +118,9 @@ class Worker:
         # One cache for all of this worker's loops: a connection one loop finished with is
         # the next loop's to reuse for the same destination.
         self._connections = ConnectionCache()
+        # The count of resting addresses the core last acknowledged (it assumes 0 of a
+        # worker that has said nothing): told again only when it changes.
+        self._dead_hosts_told = 0
         self.stopping = asyncio.Event()
 
     async def run(self) -> None:
@@ -134,24 +137,32 @@ class Worker:
 
     async def _tend(self) -> None:
         """QUIT kept connections that have idled too long (RFC 5321 4.1.1.10: say goodbye),
-        and tell the core at once of the slots closes free."""
+        and tell the core at once of the slots closes free; and tell it the count of MX
+        addresses the dead-host cache rests whenever that changes (for ``/metrics``).
+
+        The count is taken here, once a tick, not with every delivery report: it is a scan
+        of the cache, and a dead period ends on its own with no delivery to notice it.
+        """
         cache = self._connections
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(cache.urgent.wait(), PRUNE_INTERVAL_S)
             cache.prune()
-            if not cache.urgent.is_set():
+            dead = self._dead_hosts.resting()
+            urgent = cache.urgent.is_set()
+            if not urgent and dead == self._dead_hosts_told:
                 continue
-            closed = cache.released()
+            closed = cache.released() if urgent else ()
             try:
-                reply = await self._client.report((), closed=closed)
+                reply = await self._client.report((), closed=closed, dead_hosts=dead)
             except ZoneqError as exc:
                 if self._client.closed:
                     return  # the core is gone; the loops see it too
-                log.warning("closed connection slots not reported: %s", exc)
+                log.warning("closed slots or dead-host count not reported: %s", exc)
                 cache.close_slots(closed)  # still closed: owed to the next report
                 await asyncio.sleep(PRUNE_INTERVAL_S)
                 continue
+            self._dead_hosts_told = dead
             cache.close_slots(reply.close)
 
     async def _lease(self) -> tuple[Job, ...]:

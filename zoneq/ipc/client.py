@@ -200,12 +200,20 @@ class IpcClient:
         lease_jobs: int = 0,
         kept: tuple[int, ...] = (),
         closed: tuple[int, ...] = (),
+        dead_hosts: int | None = None,
     ) -> ReportReply:
         """Report ``results``; with ``lease_jobs``, the reply also brings up to that many
         jobs that were ready (none if none was: then ``lease`` waits for one).  ``kept``
-        and ``closed``: connection slots kept idle, and idle ones closed (``messages.py``)."""
+        and ``closed``: connection slots kept idle, and idle ones closed; ``dead_hosts``:
+        the worker's count of resting MX addresses, if it has changed (``messages.py``)."""
         return await self.request(
-            Report(results=results, lease_jobs=lease_jobs, kept=kept, closed=closed)
+            Report(
+                results=results,
+                lease_jobs=lease_jobs,
+                kept=kept,
+                closed=closed,
+                dead_hosts=dead_hosts,
+            )
         )
 
     async def iter_body(self, job: Job, *, read_ahead: bool = True) -> AsyncIterator[bytes]:

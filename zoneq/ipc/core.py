@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from zoneq.errors import ProtocolError
+from zoneq.ipc.figures import WorkerFigures
 from zoneq.ipc.messages import (
     ChunkReply,
     ChunkRequest,
@@ -40,9 +41,16 @@ MAX_WAIT_MS = 30_000
 class QueueHandler:
     """``CoreHandler`` for ``IpcServer``, backed by a ``QueueService``."""
 
-    def __init__(self, service: queue.QueueService, zones: set[str]) -> None:
+    def __init__(
+        self,
+        service: queue.QueueService,
+        zones: set[str],
+        figures: WorkerFigures | None = None,
+    ) -> None:
         self._service = service
         self._zones = zones
+        # What the workers report of their own state (their dead-host caches), for /metrics.
+        self.figures = figures if figures is not None else WorkerFigures(zones)
 
     async def hello(self, conn: ConnectionInfo, msg: Hello) -> Welcome:
         if msg.zone not in self._zones:
@@ -68,6 +76,9 @@ class QueueHandler:
 
     async def report(self, conn: ConnectionInfo, msg: Report) -> ReportReply:
         zone = self._zone(conn)
+        if msg.dead_hosts is not None:
+            # Before the commit: a figure is no less true when the storage fails.
+            self.figures.dead_hosts_of(conn.owner, zone, msg.dead_hosts)
         outcomes = [
             queue.RecipientOutcome(
                 token=item.token,
@@ -98,6 +109,7 @@ class QueueHandler:
         )
 
     def disconnected(self, conn: ConnectionInfo) -> None:
+        self.figures.forget(conn.owner)
         self._service.disconnected(conn.owner)
 
 

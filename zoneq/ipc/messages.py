@@ -40,6 +40,13 @@ keeps (their slots stay held, idle), ``Report.closed`` which idle ones it has cl
 optional on the wire: an older core sends no slot and ignores ``kept`` (the worker then
 keeps connections uncounted, as before), and an older worker never keeps a slot.
 
+Worker figures (issue 7): ``Report.dead_hosts`` is the worker's count of MX addresses its
+dead-host cache is resting now (``delivery/hostcache.py``), for the core's ``/metrics``.  A
+worker sends it when the count changes, in a report of its own if no report is due (an
+empty ``results``, as for closed slots).  Optional on the wire: absent (an older worker, or
+a report that does not say) leaves the core's last value as it was, and an older core
+ignores it.
+
 Bodies are maps with the field names of the dataclasses, so a capture is readable without
 this module.  Decoding validates every field's type and names the field (as a path such as
 ``lease.jobs[2].recipients[0].token``) in the ``ProtocolError`` it raises; no ``KeyError``
@@ -164,6 +171,13 @@ def _opt_bytes(body: _Body, name: str, where: str) -> bytes | None:
     if not isinstance(value, bytes):
         raise _fail(where, name, "bytes or nil", value)
     return value
+
+
+def _opt_gauge(body: _Body, name: str, where: str) -> int | None:
+    """An optional count that may be left unsaid: absent or None is None, else at least 0."""
+    if body.get(name) is None:
+        return None
+    return _int(body, name, where, minimum=0)
 
 
 def _opt_count(body: _Body, name: str, where: str) -> int:
@@ -386,6 +400,9 @@ class Report:
     keeps idle for the next job; ``closed``: slots whose idle connections the worker has
     closed, or taken up for a job on another slot, since its last report.  ``results``
     may be empty: a worker that closed idle connections says so at once.
+
+    ``dead_hosts``: how many MX addresses the worker's dead-host cache rests now; None when
+    the report does not say (the core keeps the last value it was told).
     """
 
     VERB: ClassVar[str] = "report"
@@ -394,6 +411,7 @@ class Report:
     lease_jobs: int = 0
     kept: tuple[int, ...] = ()
     closed: tuple[int, ...] = ()
+    dead_hosts: int | None = None
 
     def to_wire(self) -> dict[str, object]:
         body: dict[str, object] = {
@@ -402,6 +420,8 @@ class Report:
         }
         _put_ints(body, "kept", self.kept)
         _put_ints(body, "closed", self.closed)
+        if self.dead_hosts is not None:
+            body["dead_hosts"] = self.dead_hosts
         return body
 
     @classmethod
@@ -411,6 +431,7 @@ class Report:
             lease_jobs=_opt_count(body, "lease_jobs", where),
             kept=_opt_int_tuple(body, "kept", where),
             closed=_opt_int_tuple(body, "closed", where),
+            dead_hosts=_opt_gauge(body, "dead_hosts", where),
         )
 
 
