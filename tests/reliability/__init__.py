@@ -8,7 +8,7 @@ possible duplicate (the RFC 1047 window) or, for a SIGKILL, what was in flight a
 =====================  ==========================================================
 ``test_kills``         SIGKILL of the core while receiving, delivering and bouncing
 ``test_sigterm``       SIGTERM under load: out within 30 s, nothing lost on restart
-``test_fsync``         fdatasync fails with EIO (strace ``inject``): 4xx, heals alone
+``test_fsync``         fdatasync fails with EIO (strace ``inject``): 4xx, delivers, heals
 ``test_disk_full``     the queue's tmpfs fills up: 4xx, delivery goes on, heals alone
 ``test_remote_down``   connections refused, then accepted: resumes with no restart
 ``test_corruption``    a garbage record: quarantined, the rest delivered; one zoneq

@@ -119,6 +119,11 @@ class FaultyDatabase(Database):
         self.opens = 0
         super().__init__(path, **options)
 
+    def probe_sync(self) -> None:
+        if self.unavailable:  # the sync a reopen tries first fails too, as on a real disk
+            raise StorageUnavailable(f"injected: cannot sync in {self.path}")
+        super().probe_sync()
+
     def open(self) -> None:
         if self.unavailable:
             raise StorageUnavailable(f"injected: cannot open {self.path}")

@@ -114,8 +114,9 @@ async def test_full_disk_refuses_keeps_what_it_accepted_and_heals(
     for n in range(3):
         with pytest.raises(StorageUnavailable):
             await commit_small(store, n)
-    with pytest.raises(StorageUnavailable):
-        store.lease(Z, 10, "w")
+    # What is queued still goes out: the failed handle reads (zoneq/storage/held.py).
+    assert len(store.lease(Z, 10, "w")) == min(10, len(committed))
+    store.release_owner("w")
 
     # Space comes back; after the reopen interval the next operation just works.
     (tmpfs / "filler").unlink()

@@ -424,7 +424,7 @@ async def _report(store: QueueStore, kind: str, lease: Lease) -> None:
 
 @pytest.mark.parametrize("report", ["complete", "defer", "bounce"])
 @pytest.mark.parametrize(
-    "staleness", ["released", "dropped", "wrong-token", "reported-twice", "taken-over", "reopened"]
+    "staleness", ["released", "dropped", "wrong-token", "reported-twice", "taken-over"]
 )
 @async_test
 async def test_stale_or_foreign_lease_is_refused(
@@ -440,12 +440,10 @@ async def test_stale_or_foreign_lease_is_refused(
         lease = replace(lease, token=lease.token ^ 1)
     elif staleness == "reported-twice":
         await _report(store, report, lease)
-    elif staleness == "taken-over":
+    else:
         store.release(lease)
         current = lease_one(store, owner="someone-else")
         assert current.key == lease.key
-    else:
-        store.reopen()
     before = store.counters()
     with pytest.raises(LeaseError):
         await _report(store, report, lease)
@@ -899,16 +897,20 @@ async def test_recover_after_restart(stores: StoreFactory) -> None:
 
 
 @async_test
-async def test_reopen_in_process_drops_leases(store: QueueStore) -> None:
+async def test_reopen_in_process_keeps_the_leases_that_are_out(store: QueueStore) -> None:
+    # A reopen heals a storage fault while deliveries are in flight: they report after it,
+    # and their recipients must not be handed out again meanwhile (zoneq/storage/held.py).
     await queue_message(store, addresses(2))
     lease = lease_one(store)
     before = store.counters()
     store.reopen()
-    assert store.leased() == 0
+    assert store.leased() == 1
     assert store.counters() == before
-    with pytest.raises(LeaseError):
-        await store.complete(lease, T0, OK)
-    assert len(store.lease(Z, 10, "w")) == 2
+    (other,) = store.lease(Z, 10, "w")
+    assert other.key != lease.key
+    await store.complete(lease, T0, OK)
+    await store.complete(other, T0, OK)
+    assert store.message_count() == 0
     await assert_consistent(store)
 
 

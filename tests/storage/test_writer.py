@@ -24,6 +24,7 @@ from tests.storage.conftest import (
     rcpts,
 )
 from zoneq.errors import LeaseError, NotFound, StorageUnavailable
+from zoneq.protocol.ids import format_id
 from zoneq.storage import keys
 from zoneq.storage.leveldb import Database
 from zoneq.storage.records import State
@@ -196,7 +197,7 @@ async def test_overlay_shows_staged_writes_before_the_group_lands(stores: StoreF
 
 
 @async_test
-async def test_failed_write_fails_every_pending_future_until_reopen(
+async def test_failed_write_fails_pending_writes_and_holds_outcomes_until_reopen(
     stores: StoreFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(QueueStore, "REOPEN_INTERVAL_S", 0.25)
@@ -226,20 +227,26 @@ async def test_failed_write_fails_every_pending_future_until_reopen(
     db.gate.set()
     results = list(await in_flight) + list(await staged)
     assert len(results) == 12
+    # The delivery's outcome is held (zoneq/storage/held.py); everything else failed.
+    assert results[10] is None
+    del results[10]
     assert all(isinstance(r, StorageUnavailable) for r in results), results
     assert isinstance(store.failure, StorageUnavailable)
+    assert store.held == 1
 
-    # While the cause lasts, everything refuses with StorageUnavailable (a 4xx).
+    # While the cause lasts, whatever must be durable refuses with StorageUnavailable (a
+    # 4xx); what is queued still goes out, but never the held recipient a second time.
     with pytest.raises(StorageUnavailable):
         await commit_whole(store, 30)
-    with pytest.raises(StorageUnavailable):
-        store.lease(Z, 10, "w")
     with pytest.raises(StorageUnavailable):
         store.begin(T0)
     with pytest.raises(StorageUnavailable):
         await store.write_chunk(streaming, 1, b"more")
-    with pytest.raises(StorageUnavailable):
-        await store.complete(old_lease, T0, OK)
+    during = store.lease(Z, 10, "w")
+    assert sorted(lease.recipient.msg_id for lease in during) == durable[1:]
+    await store.complete(during[0], T0 + 1, OK)  # delivered during the fault: held too
+    assert store.held == 2
+    assert store.database.get(keys.message_head(durable[0])) is not None  # not written yet
 
     # The cause is gone; the store retries its reopen after REOPEN_INTERVAL_S at most.
     db.unavailable = False
@@ -247,19 +254,25 @@ async def test_failed_write_fails_every_pending_future_until_reopen(
         with pytest.raises(StorageUnavailable):
             store.begin(T0)
     await asyncio.sleep(QueueStore.REOPEN_INTERVAL_S + 0.05)
-    leases = store.lease(Z, 10, "w")  # no explicit reopen: the store healed itself
+    assert store.lease(Z, 10, "w") == []  # no explicit reopen: the store healed itself
     assert store.failure is None
+    await store.drain()
+    assert store.held == 0
 
-    # The state is the disk's: nothing of the failed groups, the old lease is void.
-    assert sorted(lease.recipient.msg_id for lease in leases) == durable
-    assert store.message_count() == 3
-    assert store.counters() == counters_before == store.recount()
-    assert [k for k, _ in store.events()] == [k for k, _ in events_before]
+    # The held outcomes are written; nothing of the failed groups is there; the lease
+    # handed out during the fault is still good.
+    assert store.message_count() == 1
+    assert store.counters() == store.recount()
+    assert counters_before != store.counters()
+    delivered = [e.message_id for _, e in store.events()][len(events_before) :]
+    assert delivered == [
+        format_id(old_lease.recipient.msg_id),
+        format_id(during[0].recipient.msg_id),
+    ]
     assert list(store.database.keys(prefix=keys.RECEIVING)) == []
     with pytest.raises(LeaseError):
-        await store.complete(old_lease, T0, OK)
-    for lease in leases:
-        await store.complete(lease, T0, OK)
+        await store.complete(old_lease, T0, OK)  # written once, not twice
+    await store.complete(during[1], T0, OK)
     new_id = await commit_whole(store, 40)
     assert new_id > max(durable)
     await assert_consistent(store)
@@ -306,11 +319,15 @@ async def test_failed_bounce_loses_neither_the_recipient_nor_queues_the_notice(
         body=b"dsn",
     )
     db.fail_writes = 1
-    with pytest.raises(StorageUnavailable):
-        await store.bounce(lease, T0, Outcome(reply="550 no"), notice=notice)
-    (again,) = store.lease(Z, 10, "w")  # healed; the recipient is ready again
-    assert again.recipient.msg_id == msg_id
-    assert store.count("bounces", State.READY) == 0
+    await store.bounce(lease, T0, Outcome(reply="550 no"), notice=notice)  # held
+    assert store.held == 1
+    assert store.lease(Z, 10, "w") == []  # healed; the held bounce is written, once
+    await store.drain()
+    assert store.held == 0
+    with pytest.raises(NotFound):
+        store.message(msg_id)
+    (notice_lease,) = store.lease("bounces", 10, "w")
+    assert store.database.get(keys.message_chunk(notice_lease.recipient.msg_id, 0)) == b"dsn"
     assert store.message_count() == 1
     await assert_consistent(store)
 

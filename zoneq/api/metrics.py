@@ -7,6 +7,9 @@ counted on the hot paths for it: a custom collector reads, at scrape time,
 * queue sizes from the store's O(1) counters (per zone and state, messages, paused zones);
 * MX addresses the zone workers' dead-host caches rest now, per zone (``zoneq_dead_hosts``):
   the latest count each connected worker reported (``zoneq.ipc.figures``), summed;
+* delivery outcomes held in memory while the queue database cannot write
+  (``zoneq_outcomes_held``, ``zoneq.storage.held``): lost, and sent again, if the core
+  stops before it heals;
 * corrupt records the store has quarantined since start (its in-memory list: the records
   stay on disk, and the count starts again when a restart meets them again);
 * totals (accepted, delivered, deferred, bounced, expired, dropped) and the delivery
@@ -143,6 +146,11 @@ class QueueCollector(Collector):
             "zoneq_storage_up",
             "1 while the queue database accepts writes",
             value=0 if self._store.failure is not None else 1,
+        )
+        yield GaugeMetricFamily(
+            "zoneq_outcomes_held",
+            "Delivery outcomes held in memory until the failed queue database heals",
+            value=self._store.held,
         )
         yield GaugeMetricFamily(
             "zoneq_quarantined_records",

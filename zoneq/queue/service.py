@@ -308,6 +308,12 @@ class QueueService:
                 # recipients stay leased to the core, out of circulation until a restart or
                 # an administrator's delete, so the rest of the queue goes on (issue 7).
                 meta = None
+            except StorageUnavailable:
+                # The database is closed (a reopen failed): ready again for when it is back.
+                for lease in current:
+                    with contextlib.suppress(LeaseError):
+                        self._store.release(lease)
+                meta = None
         if meta is None:
             state.slots.put_back(slot)
             return None
@@ -743,10 +749,9 @@ async def _notify_all(plugins: PluginHost, calls: list[tuple[Hook, OutcomeArgs]]
 
 
 async def _guarded(token: int, operation: Awaitable[None]) -> int | None:
-    """The token if the store applied the operation, None if its lease was gone or the
-    store could not write it.  After a storage fault every lease is void (the store logs
-    each as a possible duplicate and makes it ready again on reopen), so the report is
-    refused like a stale one and the worker goes on with its next job."""
+    """The token if the store applied the operation (or, while it cannot write, holds it
+    until it can: ``zoneq/storage/held.py``), None if its lease was gone or the store could
+    not take it; the report is then refused like a stale one and the worker goes on."""
     try:
         await operation
     except LeaseError:

@@ -7,6 +7,7 @@ operations) and ``maintenance.py`` (recovery, sweeps, compaction, retention).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import itertools
 import logging
@@ -14,11 +15,11 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import msgpack
 
-from zoneq.errors import DiskFull, NotFound, StorageCorruption, StorageUnavailable
+from zoneq.errors import DiskFull, LeaseError, NotFound, StorageCorruption, StorageUnavailable
 from zoneq.protocol.events import Event, EventKind
 from zoneq.protocol.ids import IdGenerator, format_id, id_time_ms
 from zoneq.storage import keys
@@ -34,6 +35,9 @@ from zoneq.storage.records import (
 )
 from zoneq.storage.space import SpaceGuard
 from zoneq.storage.writer import GroupWriter
+
+if TYPE_CHECKING:
+    from zoneq.storage.held import Held
 
 FAMILY_STATE: Final = {
     keys.READY: State.READY,
@@ -115,6 +119,11 @@ class StoreBase:
         self._floors_written = (0, 0)
         self._tokens = itertools.count(secrets.randbits(48))
         self._leases: dict[bytes, Lease] = {}
+        # Leases whose outcome is on its way to disk (taken from ``_leases``, not landed),
+        # and outcomes held while the database cannot write (``held.py``).
+        self._settling: dict[bytes, Lease] = {}
+        self._held: list[Held] = []
+        self._replays: set[asyncio.Task[None]] = set()
         self._cursors: dict[str, bytes] = {}
         self._due_marks: dict[str, bytes] = {}
         # Messages whose DATA is streaming in: id -> chunks staged so far (highest index + 1).
@@ -131,6 +140,10 @@ class StoreBase:
 
     def recover(self, *, receiving: dict[int, int] | None = None) -> int:
         """Reload in-memory state from disk (``maintenance.py``)."""
+        raise NotImplementedError
+
+    def _resume(self, leases: dict[bytes, Lease]) -> None:
+        """After a reopen: keep the leases that were out, write what was held (``held.py``)."""
         raise NotImplementedError
 
     def _seal(self) -> list[Op]:
@@ -151,19 +164,11 @@ class StoreBase:
 
     def _on_failure(self, exc: StorageUnavailable) -> None:
         # LevelDB's error is sticky: leave the handle failed until reopen() succeeds.  The
-        # leases go: whatever the workers report from now on cannot be written, so every
-        # recipient in flight is ready again after the reopen and tried once more.  The
-        # remote may have taken it already, so each is logged as a possible duplicate in
-        # the core's usual words (RFC 1047's window, widened by the fault).
-        for lease in self._leases.values():
-            log.warning(
-                "possible duplicate: %016x to %s via ? (in flight when the queue storage "
-                "failed: %s); retried later",
-                lease.recipient.msg_id,
-                lease.recipient.address,
-                exc,
-            )
-        self._leases.clear()
+        # leases stay: what the workers report from now on is held (``held.py``).  Those
+        # whose outcome was in the failed batches go back to the leases now, before any
+        # other task runs, so no scan hands their records out again; the outcomes' own
+        # callers hold them when the failure reaches them.
+        self._leases.update(self._settling)
         if isinstance(exc, DiskFull):
             self.space.release()  # room for the reopen and the deletes that drain the queue
 
@@ -173,15 +178,18 @@ class StoreBase:
         Raises ``StorageUnavailable`` while the cause persists (a full disk makes even the
         reopen fail); the owner retries later.  Callers see 4xx in the meantime.  Messages
         still streaming in keep their chunks: a session whose own chunk write failed was
-        told so and abandons its message; the others carry on.
+        told so and abandons its message; the others carry on.  Leases that were out stay
+        out (their deliveries report afterwards), and held outcomes are written.
         """
         receiving = dict(self._receiving)
+        leases = dict(self._leases)
         try:
             self._db.reopen()
         except DiskFull:
             self.space.release()
             raise
         self.recover(receiving=receiving)
+        self._resume(leases)
         self._writer.reset()
         self._undo_failed_commits()
 
@@ -443,6 +451,14 @@ class StoreBase:
             return [(keys.message_head(msg_id), encode_head(created, remaining - gone))]
         self._counters.add(MESSAGES, -1)
         return self._message_deletes(msg_id)
+
+    def _current(self, lease: Lease) -> None:
+        current = self._leases.get(lease.key)
+        if current is None or current.token != lease.token:
+            raise LeaseError(
+                f"lease {lease.token} for {lease.recipient.address} in zone "
+                f"{lease.recipient.zone} is not current (released, expired or taken over)"
+            )
 
     def holds(self, lease: Lease) -> bool:
         """Whether ``lease`` is still current (not released, revoked or taken over)."""

@@ -16,6 +16,7 @@ earlier unsynced write durable (the log is one append-only file).
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -27,6 +28,9 @@ import plyvel
 from zoneq.errors import DiskFull, StorageUnavailable, StoreLocked
 
 Op = tuple[bytes, bytes | None]
+
+# The file ``Database.probe_sync`` writes (not a LevelDB file name, so LevelDB leaves it).
+SYNC_PROBE = "zoneq-sync-probe"
 
 
 class Database:
@@ -73,9 +77,33 @@ class Database:
             self._db = None
 
     def reopen(self) -> None:
-        """Close and open again: the only way to clear LevelDB's sticky write error."""
+        """Close and open again: the only way to clear LevelDB's sticky write error.
+
+        A sync is tried first, on a file of our own: opening syncs a new log and manifest,
+        so while the disk cannot sync the open would fail and leave no handle at all, where
+        the failed one still reads (and the queue goes on delivering, ``held.py``).
+        """
+        self.probe_sync()
         self.close()
         self.open()
+
+    def probe_sync(self) -> None:
+        """Write and fdatasync a byte in the database's directory, or raise as a write would.
+
+        LevelDB ignores a file whose name is not one of its own.
+        """
+        probe = self.path / SYNC_PROBE
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, b"\0")
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise DiskFull(f"cannot sync in {self.path}, disk full: {exc}") from exc
+            raise StorageUnavailable(f"cannot sync in {self.path}: {exc}") from exc
 
     @property
     def is_open(self) -> bool:

@@ -35,11 +35,11 @@ database for writes.  Reads go through the writer's overlay so they see staged w
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from zoneq.errors import LeaseError
 from zoneq.protocol.events import EventKind, event_record
 from zoneq.protocol.ids import format_id, id_time_ms
 from zoneq.storage import keys
@@ -47,6 +47,7 @@ from zoneq.storage.admin import AdminMixin
 from zoneq.storage.base import READY_STATE, Lease, Outcome, QueuedRecipient, ready_prefix
 from zoneq.storage.bulk import BulkMixin
 from zoneq.storage.counters import MESSAGES, domain_key, zone_key
+from zoneq.storage.held import HeldMixin
 from zoneq.storage.leveldb import Database, Op
 from zoneq.storage.maintenance import MaintenanceMixin
 from zoneq.storage.records import (
@@ -74,7 +75,7 @@ class DroppedRecipient:
     reason: str
 
 
-class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin):
+class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
     """The LevelDB queue of one zoneq node.  Create with :meth:`open`, then :meth:`recover`."""
 
     @classmethod
@@ -298,9 +299,11 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin):
         """Lease up to ``limit`` ready recipients of ``zone``, oldest message first.
 
         ``accept`` lets the scheduler pass over a recipient (say its domain is at its
-        connection limit) without moving the zone's cursor past it.
+        connection limit) without moving the zone's cursor past it.  While the database
+        cannot write, leasing goes on from the failed handle (``held.py``).
         """
-        self._check()
+        if self._writer.failed is not None:
+            self._may_lease_while_failed()
         prefix = keys.zone_prefix(keys.READY, zone)
         start = self._cursors.get(zone, prefix)
         stop = keys.prefix_upper_bound(prefix)
@@ -336,17 +339,14 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin):
             self._cursors[zone] = last + b"\x00"  # the next possible key after ``last``
         return leases
 
-    def _current(self, lease: Lease) -> None:
-        current = self._leases.get(lease.key)
-        if current is None or current.token != lease.token:
-            raise LeaseError(
-                f"lease {lease.token} for {lease.recipient.address} in zone "
-                f"{lease.recipient.zone} is not current (released, expired or taken over)"
-            )
-
     def _take(self, lease: Lease) -> None:
         self._current(lease)
         del self._leases[lease.key]
+
+    def _take_to_settle(self, lease: Lease) -> None:
+        """Take ``lease`` for an outcome about to be written (``held.py``: ``_settle``)."""
+        self._take(lease)
+        self._settling[lease.key] = lease
 
     def release(self, lease: Lease) -> None:
         """Give a lease back unchanged (the worker did not try): ready again at once."""
@@ -362,16 +362,18 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin):
 
     async def complete(self, lease: Lease, now_ms: int, outcome: Outcome) -> None:
         """Delivered: the recipient leaves the queue (and the message with its last one)."""
-        self._check()
+        replay = functools.partial(self.complete, lease, now_ms, outcome)
+        if self._hold_if_failed(lease, replay):
+            return
         self._current(lease)  # a stale lease is refused before anything else is looked at
         head = self._read_head(lease.recipient.msg_id)
-        self._take(lease)
+        self._take_to_settle(lease)
         record = lease.recipient.after_attempt(now_ms, outcome.reply)
         ops: list[Op] = [(lease.key, None)]
         ops.append(self._outcome_event(EventKind.DELIVERED, record, now_ms, outcome))
         self._counters.move(record.zone, record.domain, State.READY, None)
         ops.extend(self._recipients_gone(record.msg_id, head))
-        await self._writer.submit(ops, sync=False)
+        await self._settle(lease, self._writer.submit(ops, sync=False), replay)
 
     async def defer(
         self,
@@ -387,8 +389,12 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin):
         ``delay_notice``: an RFC 3461 NOTIFY=DELAY notice to queue in the same batch; the
         record then remembers it was sent, so a recipient gets at most one.
         """
-        self._check()
-        self._take(lease)
+        replay = functools.partial(
+            self.defer, lease, now_ms, next_attempt_ms, outcome, delay_notice=delay_notice
+        )
+        if self._hold_if_failed(lease, replay):
+            return
+        self._take_to_settle(lease)
         record = lease.recipient.after_attempt(now_ms, outcome.reply, next_attempt_ms)
         if delay_notice is not None:
             record = replace(record, delay_notified=True)
@@ -403,11 +409,12 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin):
             ops.extend(notice_ops)
             ops.append(self._outcome_event(EventKind.DELAYED, record, now_ms, outcome))
             effects.append(self._readied(ready))
-        await self._writer.submit(
+        landing = self._writer.submit(
             ops,
             sync=delay_notice is not None,
             effect=_all(effects) if len(effects) > 1 else effects[0],
         )
+        await self._settle(lease, landing, replay)
 
     async def bounce(
         self,
@@ -423,10 +430,14 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin):
         ``notice`` is the DSN to queue; it is committed in the same batch as the bounce, so
         a crash can neither lose the DSN nor queue it twice.
         """
-        self._check()
+        replay = functools.partial(
+            self.bounce, lease, now_ms, outcome, expired=expired, notice=notice
+        )
+        if self._hold_if_failed(lease, replay):
+            return
         self._current(lease)  # a stale lease is refused before anything else is looked at
         head = self._read_head(lease.recipient.msg_id)
-        self._take(lease)
+        self._take_to_settle(lease)
         record = lease.recipient.after_attempt(now_ms, outcome.reply)
         kind = EventKind.EXPIRED if expired else EventKind.BOUNCED
         ops: list[Op] = [(lease.key, None)]
@@ -438,7 +449,8 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin):
             notice_ops, ready = self._notice_ops(notice, now_ms)
             ops.extend(notice_ops)
             effect = self._readied(ready)
-        await self._writer.submit(ops, sync=notice is not None, effect=effect)
+        landing = self._writer.submit(ops, sync=notice is not None, effect=effect)
+        await self._settle(lease, landing, replay)
 
     def _notice_ops(self, notice: Notice, now_ms: int) -> tuple[list[Op], dict[str, bytes]]:
         """A generated message (a DSN), whole: it is small, so it goes in one batch."""
