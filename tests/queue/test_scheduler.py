@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zoneq.queue.scheduler import DomainSlots, JobQueue, RateLimiter, plan_jobs
+from zoneq.queue.scheduler import DomainSlots, JobQueue, Planned, RateLimiter, plan_jobs
 
 # --- the rate limiter -----------------------------------------------------------------------
 
@@ -161,3 +161,95 @@ def test_queue_removes_one_messages_jobs_and_keeps_the_order_of_the_rest() -> No
     assert [(j.msg_id, j.domain) for j in gone] == [(1, "a"), (1, "b")]
     assert [j.msg_id for j in queue.drain()] == [2, 3]
     assert queue.remove(9) == []
+
+
+class LinearQueue:
+    """The job queue as it was written first: one list, scanned front to back on every
+    take.  The model the per-domain queue must agree with, take for take."""
+
+    def __init__(self) -> None:
+        self.jobs: list[Planned[Item]] = []
+
+    def take(self, slots: DomainSlots, rate: RateLimiter, now: float, owner: str) -> object:
+        if rate.wait_ms(now) > 0:
+            return None
+        for index, job in enumerate(self.jobs):
+            slot = slots.try_acquire(job.domain, owner)
+            if slot is not None:
+                if not rate.take(now):
+                    slots.put_back(slot)
+                    return None
+                del self.jobs[index]
+                return job, slot
+        return None
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("extend"),
+            st.lists(
+                st.tuples(
+                    st.integers(1, 6), st.sampled_from("abcd"), st.sampled_from(["x", "y", "z"])
+                ),
+                min_size=1,
+                max_size=6,
+            ),
+        ),
+        st.tuples(st.just("take"), st.sampled_from(["w1", "w2"])),
+        st.tuples(st.just("take"), st.sampled_from(["w1", "w2"])),
+        st.tuples(st.just("release"), st.integers(0, 10)),
+        st.tuples(st.just("remove"), st.integers(1, 6)),
+        st.tuples(st.just("tick"), st.integers(0, 400)),
+    ),
+    min_size=10,
+    max_size=60,
+)
+
+
+@settings(max_examples=300)
+@given(ops=OPS, limit=st.integers(1, 3), per_second=st.sampled_from([0, 5]))
+def test_the_per_domain_queue_takes_what_a_front_to_back_scan_would(
+    ops: list[tuple[str, object]], limit: int, per_second: int
+) -> None:
+    queue: JobQueue[Item] = JobQueue()
+    model = LinearQueue()
+    slots, model_slots = DomainSlots(limit), DomainSlots(limit)
+    rate, model_rate = RateLimiter(per_second, 1000), RateLimiter(per_second, 1000)
+    started: list[int] = []
+    model_started: list[int] = []
+    now = 0
+    for op, arg in ops:
+        if op == "extend":
+            assert isinstance(arg, list)
+            planned = plan_jobs(arg, group=group, max_recipients=2)
+            queue.extend(planned)
+            model.jobs.extend(planned)
+        elif op == "take":
+            assert isinstance(arg, str)
+            got = queue.take(slots, rate, now, arg)
+            expected = model.take(model_slots, model_rate, now, arg)
+            assert (got[0] if got else None) == (expected[0] if expected else None)  # type: ignore[index]
+            if got is not None:
+                started.append(got[1])
+                model_started.append(expected[1])  # type: ignore[index]
+        elif op == "release" and started:
+            assert isinstance(arg, int)
+            index = arg % len(started)
+            slots.release(started.pop(index))
+            model_slots.release(model_started.pop(index))
+        elif op == "remove":
+            assert isinstance(arg, int)
+            gone = [job for job in model.jobs if job.msg_id == arg]
+            model.jobs = [job for job in model.jobs if job.msg_id != arg]
+            assert queue.remove(arg) == gone
+        elif op == "tick":
+            assert isinstance(arg, int)
+            now += arg
+        assert len(queue) == len(model.jobs)
+        assert queue.recipients() == sum(len(job.items) for job in model.jobs)
+        assert queue.blocked_domains(slots) == {
+            job.domain for job in model.jobs if not model_slots.could_start(job.domain)
+        }
+    assert queue.drain() == model.jobs
+    assert len(queue) == 0 and queue.recipients() == 0
