@@ -134,9 +134,12 @@ class StoreBase:
         # Messages whose commit failed (their client got 4xx); see _undo_failed_commits.
         self._failed_commits: dict[int, int] = {}  # msg_id -> the commit's now_ms
         self.quarantined: list[StorageCorruption] = []
-        # Called with a zone's name when recipients become ready there (once durable), so
-        # the queue service can wake delivery loops waiting for work instead of polling.
-        self.on_ready: Callable[[str], None] | None = None
+        # Called with a zone's name and the oldest key made ready when recipients become
+        # ready there (once durable), so the queue service can wake delivery loops waiting
+        # for work instead of polling.
+        self.on_ready: Callable[[str, bytes], None] | None = None
+        # The last key the latest ``lease`` scan looked at (None if it met none).
+        self.last_scanned: bytes | None = None
 
     def recover(self, *, receiving: dict[int, int] | None = None) -> int:
         """Reload in-memory state from disk (``maintenance.py``)."""
@@ -283,7 +286,7 @@ class StoreBase:
         if cursor is not None and key < cursor:
             self._cursors[zone] = key
         if self.on_ready is not None:
-            self.on_ready(zone)
+            self.on_ready(zone, key)
 
     def _due_back(self, zone: str, due_key: bytes) -> Callable[[], None]:
         def effect() -> None:

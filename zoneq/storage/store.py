@@ -295,17 +295,23 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         owner: str,
         *,
         accept: Callable[[Recipient], bool] | None = None,
+        after: bytes | None = None,
     ) -> list[Lease]:
         """Lease up to ``limit`` ready recipients of ``zone``, oldest message first.
 
         ``accept`` lets the scheduler pass over a recipient (say its domain is at its
-        connection limit) without moving the zone's cursor past it.  While the database
-        cannot write, leasing goes on from the failed handle (``held.py``).
+        connection limit) without moving the zone's cursor past it.  ``after``: scan only
+        the keys after this one (the caller turned down everything before it moments ago),
+        leaving the cursor where it is.  ``last_scanned`` tells where the scan stopped.
+        While the database cannot write, leasing goes on from the failed handle
+        (``held.py``).
         """
         if self._writer.failed is not None:
             self._may_lease_while_failed()
         prefix = keys.zone_prefix(keys.READY, zone)
         start = self._cursors.get(zone, prefix)
+        if after is not None:
+            start = max(start, after + b"\x00")  # the next possible key after ``after``
         stop = keys.prefix_upper_bound(prefix)
         leases: list[Lease] = []
         passed_over: bytes | None = None
@@ -333,7 +339,10 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             leases.append(lease)
             if len(leases) >= limit:
                 break
-        if passed_over is not None:
+        self.last_scanned = last
+        if after is not None:
+            pass  # what lies before ``after`` is not known here: the cursor stays
+        elif passed_over is not None:
             self._cursors[zone] = passed_over
         elif last is not None:
             self._cursors[zone] = last + b"\x00"  # the next possible key after ``last``

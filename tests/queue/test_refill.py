@@ -1,0 +1,98 @@
+"""Refilling a zone's window while its domains are busy (``QueueService._refill``).
+
+A refill scan that leases nothing has read every ready record past the zone's cursor and
+turned each down.  Repeated on every lease call while a domain sits at its connection
+limit, that made the core's CPU per delivered message grow with the queue; so an empty
+scan's verdicts stand until something they depend on changes, and only what became ready
+after them is read.  These tests pin both halves: the records read, and that nothing the
+verdicts depended on is missed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.queue.test_service import Clock, outcome, service_for
+from tests.storage.conftest import MINUTE, async_test, queue_message
+from zoneq.queue.service import Result
+from zoneq.storage.base import StoreBase
+from zoneq.storage.store import QueueStore
+
+Z = "default"
+
+
+@pytest.fixture
+def decoded(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The ready records the store decodes (every record a lease scan looks at)."""
+    seen: list[bytes] = []
+    original = StoreBase._decode_record
+
+    def counting(self: StoreBase, key: bytes, value: bytes) -> object:
+        seen.append(key)
+        return original(self, key, value)
+
+    monkeypatch.setattr(StoreBase, "_decode_record", counting)
+    return seen
+
+
+@async_test
+async def test_an_empty_refill_is_not_repeated_and_new_mail_is_read_alone(
+    store: QueueStore, decoded: list[bytes]
+) -> None:
+    service = service_for(store, Clock(), domain_connections=1, window=5)
+    for n in range(30):
+        await queue_message(store, [(f"u{n}@busy.test", Z)])
+    decoded.clear()
+    # busy.test's one connection; then the window's rest waits, and the records past it
+    # are each read and turned down once.
+    (first,) = await service.lease(Z, "w1", max_jobs=10)
+    assert first.domain == "busy.test"
+    assert len(decoded) == 30
+    decoded.clear()
+    for _ in range(3):
+        assert await service.lease(Z, "w2", max_jobs=10) == []
+    assert decoded == []  # nothing changed: not read again
+    # New mail for another domain is read on its own, and goes out.
+    await queue_message(store, [("a@idle.test", Z)])
+    decoded.clear()
+    (job,) = await service.lease(Z, "w2", max_jobs=10)
+    assert job.domain == "idle.test"
+    assert len(decoded) == 1
+
+
+@async_test
+async def test_a_slot_freed_for_a_domain_with_nothing_planned_reads_all_again(
+    store: QueueStore, decoded: list[bytes]
+) -> None:
+    service = service_for(store, Clock(), domain_connections=1, window=1)
+    await queue_message(store, [("a@one.test", Z)])
+    await queue_message(store, [("b@one.test", Z)])
+    (first,) = await service.lease(Z, "w1", max_jobs=10)
+    # one.test has nothing planned (the window holds one), and its connection is busy:
+    # its second record is turned down.
+    assert await service.lease(Z, "w1", max_jobs=10) == []
+    await service.report("w1", outcome(first, Result.DELIVERED))
+    decoded.clear()
+    (second,) = await service.lease(Z, "w1", max_jobs=10)
+    assert [r.address for r in second.recipients] == ["b@one.test"]
+    assert len(decoded) == 1
+
+
+@async_test
+async def test_a_record_ready_again_before_the_last_one_read_reads_all_again(
+    store: QueueStore,
+) -> None:
+    clock = Clock()
+    service = service_for(store, clock, domain_connections=1, window=1)
+    await queue_message(store, [("x@other.test", Z)])
+    await queue_message(store, [("a@busy.test", Z)])
+    await queue_message(store, [("b@busy.test", Z)])
+    (other,) = await service.lease(Z, "w1", max_jobs=1)
+    await service.report("w1", outcome(other, Result.DEFERRED, reply="451 4.3.0 later"))
+    (busy,) = await service.lease(Z, "w1", max_jobs=10)  # b@busy.test is turned down
+    assert busy.domain == "busy.test"
+    # The older record comes due: ready again before the last record the scan read.
+    clock.now += 24 * 60 * MINUTE
+    assert await service.promote_due() == 1
+    (again,) = await service.lease(Z, "w1", max_jobs=10)
+    assert [r.address for r in again.recipients] == ["x@other.test"]
