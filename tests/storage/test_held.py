@@ -7,8 +7,10 @@ disk fail the way LevelDB reports it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -147,7 +149,7 @@ async def test_an_outcome_whose_sync_failed_after_the_log_append_is_not_applied_
     db.fail_syncs = 1
     db.gate.set()
     results = await asyncio.gather(blocker, reporting, committing, return_exceptions=True)
-    assert results[:2] == [None, None] and isinstance(results[2], StorageUnavailable)
+    assert list(results[:2]) == [None, None] and isinstance(results[2], StorageUnavailable)
     assert store.held == 1
     assert db.writes == writes + 2  # both groups reached the log
 
@@ -224,3 +226,115 @@ async def test_a_stop_once_the_disk_is_back_writes_what_was_held(stores: StoreFa
     assert again.lease(Z, 10, "w") == []
     assert again.database.get(keys.message_head(msg_id)) is None
     assert again.counters() == again.recount()
+
+
+# --- found by a review: the bookkeeping must not depend on the reporting task ---------------
+
+
+@contextlib.asynccontextmanager
+async def busy_session(store: QueueStore) -> AsyncIterator[None]:
+    """An SMTP session starting a DATA every loop iteration: any store call reopens a
+    failed store once its cause is gone, so the reopen slips in between a failure and
+    the resumption of the task whose write failed."""
+    stop = False
+
+    async def session() -> None:
+        while not stop:
+            with contextlib.suppress(StorageUnavailable):
+                store.begin(T0)
+            await asyncio.sleep(0)
+
+    running = asyncio.ensure_future(session())
+    await asyncio.sleep(0)
+    try:
+        yield
+    finally:
+        stop = True
+        await running
+
+
+@async_test
+async def test_a_reopen_before_the_reporting_task_resumes_still_writes_the_outcome(
+    stores: StoreFactory,
+) -> None:
+    # One transient write error; another task (an SMTP session starting its next DATA)
+    # reopens the store before the delivery's own task resumes.  The outcome was held when
+    # the failure was noticed, so the reopen writes it.
+    store, db = failed_store(stores)
+    msg_id = await queue_message(store, addresses(1))
+    (lease,) = store.lease(Z, 1, "w")
+    async with busy_session(store):
+        store._next_reopen = 0.0
+        db.fail_writes = 1
+        await store.complete(lease, T0, OK)
+    await store.drain()
+    assert store.failure is None and store.held == 0
+    assert store.database.get(keys.message_head(msg_id)) is None
+    assert [e.kind for _, e in store.events() if e.recipient] == [EventKind.DELIVERED]
+    await assert_consistent(store)
+
+
+@async_test
+async def test_a_deferral_that_reached_the_log_is_applied_once_and_comes_due(
+    stores: StoreFactory,
+) -> None:
+    store, db = failed_store(stores)
+    await queue_message(store, addresses(1))
+    (lease,) = store.lease(Z, 1, "w")
+    async with busy_session(store):
+        store._next_reopen = 0.0
+        db.fail_syncs = 1  # a synced deferral (it carries a delay notice) reaches the log
+        await store.defer(
+            lease, T0, T0 + 60 * SECOND, Outcome(reply="451 later"), delay_notice=notice()
+        )
+    await store.drain()
+    assert store.failure is None and store.held == 0
+    assert store.count(BOUNCES, State.READY) == 1  # one notice, not two
+    assert not store.is_leased(lease.key)
+    assert await store.promote_due(Z, T0 + 120 * SECOND) == 1
+    (again,) = store.lease(Z, 10, "w")  # due: handed out again
+    assert again.key == lease.key
+    deferred = [e for _, e in store.events() if e.kind is EventKind.DEFERRED]
+    assert len(deferred) == 1
+    await assert_consistent(store)
+
+
+@async_test
+async def test_a_report_cancelled_while_its_batch_fails_is_held(stores: StoreFactory) -> None:
+    # The IPC server cancels the requests of a worker whose connection dropped.
+    store, db = failed_store(stores)
+    msg_id = await queue_message(store, addresses(1))
+    (lease,) = store.lease(Z, 1, "w")
+    db.unavailable = True
+    task = asyncio.ensure_future(store.complete(lease, T0, OK))
+    await asyncio.sleep(0)  # staged, waiting for its batch
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await store.drain()
+    assert store.failure is not None and store.held == 1 and store.is_leased(lease.key)
+    await heal(store, db)
+    assert store.database.get(keys.message_head(msg_id)) is None
+
+
+@async_test
+async def test_a_reopen_whose_recovery_fails_keeps_the_leases(stores: StoreFactory) -> None:
+    store, db = failed_store(stores)
+    await queue_message(store, addresses(1))
+    (lease,) = store.lease(Z, 1, "w")
+    other = store.begin(T0)
+    await store.write_chunk(other, 0, b"x")
+    db.fail_writes = 1  # the abandon fails: its receiving marker stays, an orphan
+    with pytest.raises(StorageUnavailable):
+        await store.abandon(other)
+    store._next_reopen = 1e18
+    await store.complete(lease, T0, OK)
+    assert store.held == 1
+    store._next_reopen = 0.0
+    db.fail_syncs = 1  # the reopen's open works; recovery's synced orphan write fails
+    with pytest.raises(StorageUnavailable):
+        store._check()
+    assert store.is_leased(lease.key)
+    assert store.lease(Z, 10, "w") == []  # not handed out twice
+    await heal(store, db)
+    assert [e.kind for _, e in store.events() if e.recipient] == [EventKind.DELIVERED]
+    await assert_consistent(store)

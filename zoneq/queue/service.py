@@ -275,7 +275,13 @@ class QueueService:
         while len(jobs) < max_jobs:
             taken = state.queue.take(state.slots, state.rate, now, owner)
             if taken is None:
-                if not self._refill(state):
+                try:
+                    refilled = self._refill(state)
+                except StorageUnavailable:
+                    if not jobs:
+                        raise
+                    refilled = False  # the jobs built so far go out (their leases are out)
+                if not refilled:
                     break
                 continue
             job = self._hand_out(state, owner, *taken)
@@ -563,10 +569,6 @@ class QueueService:
         queued_at = id_time_ms(record.msg_id)
         if now - queued_at < self._config.routing.delay_warning_ms:
             return None
-        try:
-            meta = self._store.message(record.msg_id)
-        except (NotFound, StorageCorruption):
-            return None  # no notice without the message's metadata; the deferral stands
         failure = Failure(
             record,
             status=item.enhanced or "4.0.0",
@@ -575,15 +577,21 @@ class QueueService:
             action=Action.DELAYED,
             will_retry_until_ms=self._zone(record.zone).schedule.expires_at(queued_at),
         )
-        return compose(
-            meta,
-            [failure],
-            original_start=self._original_start(meta),
-            original_full=None,  # a delay notice returns the headers only
-            reporting_mta=self._hostname,
-            bounce_zone=self._config.routing.bounce_zone,
-            now_ms=now,
-        )
+        try:
+            meta = self._store.message(record.msg_id)
+            return compose(
+                meta,
+                [failure],
+                original_start=self._original_start(meta),
+                original_full=None,  # a delay notice returns the headers only
+                reporting_mta=self._hostname,
+                bounce_zone=self._config.routing.bounce_zone,
+                now_ms=now,
+            )
+        except (NotFound, StorageCorruption, StorageUnavailable):
+            # No notice without the message (gone, damaged, or the database closed): the
+            # deferral stands, and the next one owes the notice still.
+            return None
 
     def _bounce(
         self, msg_id: int, group: list[tuple[int, Lease, Failure, Outcome, bool]], now: int
@@ -608,6 +616,17 @@ class QueueService:
             # Quarantined and reported by the store; the recipients are still bounced (their
             # outcome recorded), only the DSN cannot be composed without the metadata.
             log.error("message %x: no DSN, its metadata is corrupt", msg_id)
+        except StorageUnavailable as exc:
+            # The database is closed (a reopen failed): no DSN can be composed, and a
+            # bounce without one would lose it.  The reports are refused and the
+            # recipients ready again, to be tried (and bounced) once it is back.
+            log.warning(
+                "message %x: bounce not written, queue storage unavailable: %s", msg_id, exc
+            )
+            for _, lease, _, _, _ in group:
+                with contextlib.suppress(LeaseError):
+                    self._store.release(lease)
+            return []
         work: list[Awaitable[int | None]] = []
         for token, lease, _, outcome, expired in group:
             bounce = self._store.bounce(lease, now, outcome, expired=expired, notice=notice)

@@ -119,10 +119,11 @@ class StoreBase:
         self._floors_written = (0, 0)
         self._tokens = itertools.count(secrets.randbits(48))
         self._leases: dict[bytes, Lease] = {}
-        # Leases whose outcome is on its way to disk (taken from ``_leases``, not landed),
-        # and outcomes held while the database cannot write (``held.py``).
-        self._settling: dict[bytes, Lease] = {}
+        # Outcomes on their way to disk (their leases taken, their batches not landed), and
+        # outcomes held while the database cannot write (``held.py``).
+        self._settling: dict[bytes, Held] = {}
         self._held: list[Held] = []
+        self._held_bytes = 0
         self._replays: set[asyncio.Task[None]] = set()
         self._cursors: dict[str, bytes] = {}
         self._due_marks: dict[str, bytes] = {}
@@ -149,6 +150,10 @@ class StoreBase:
         """After a reopen: keep the leases that were out, write what was held (``held.py``)."""
         raise NotImplementedError
 
+    def _hold_settling(self, exc: StorageUnavailable) -> None:
+        """Hold the outcomes of the batches that failed (``held.py``)."""
+        raise NotImplementedError
+
     def _seal(self) -> list[Op]:
         """Writes every group carries: changed counters, and the id floors when they moved."""
         ops = self._counters.seal()
@@ -167,11 +172,10 @@ class StoreBase:
 
     def _on_failure(self, exc: StorageUnavailable) -> None:
         # LevelDB's error is sticky: leave the handle failed until reopen() succeeds.  The
-        # leases stay: what the workers report from now on is held (``held.py``).  Those
-        # whose outcome was in the failed batches go back to the leases now, before any
-        # other task runs, so no scan hands their records out again; the outcomes' own
-        # callers hold them when the failure reaches them.
-        self._leases.update(self._settling)
+        # leases stay: what the workers report from now on is held (``held.py``), and so
+        # are the outcomes in the failed batches, now, before any other task runs (one
+        # could reopen the store, or lease their records again).
+        self._hold_settling(exc)
         if isinstance(exc, DiskFull):
             self.space.release()  # room for the reopen and the deletes that drain the queue
 
@@ -191,7 +195,11 @@ class StoreBase:
         except DiskFull:
             self.space.release()
             raise
-        self.recover(receiving=receiving)
+        try:
+            self.recover(receiving=receiving)
+        except BaseException:
+            self._leases.update(leases)  # still out there: never handed out twice
+            raise
         self._resume(leases)
         self._writer.reset()
         self._undo_failed_commits()
@@ -462,6 +470,10 @@ class StoreBase:
                 f"lease {lease.token} for {lease.recipient.address} in zone "
                 f"{lease.recipient.zone} is not current (released, expired or taken over)"
             )
+
+    def _take(self, lease: Lease) -> None:
+        self._current(lease)
+        del self._leases[lease.key]
 
     def holds(self, lease: Lease) -> bool:
         """Whether ``lease`` is still current (not released, revoked or taken over)."""

@@ -47,7 +47,7 @@ from zoneq.storage.admin import AdminMixin
 from zoneq.storage.base import READY_STATE, Lease, Outcome, QueuedRecipient, ready_prefix
 from zoneq.storage.bulk import BulkMixin
 from zoneq.storage.counters import MESSAGES, domain_key, zone_key
-from zoneq.storage.held import HeldMixin
+from zoneq.storage.held import Held, HeldMixin, notice_size
 from zoneq.storage.leveldb import Database, Op
 from zoneq.storage.maintenance import MaintenanceMixin
 from zoneq.storage.records import (
@@ -307,7 +307,7 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         (``held.py``).
         """
         if self._writer.failed is not None:
-            self._may_lease_while_failed()
+            limit = self._may_lease_while_failed(limit)
         prefix = keys.zone_prefix(keys.READY, zone)
         start = self._cursors.get(zone, prefix)
         if after is not None:
@@ -348,15 +348,6 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             self._cursors[zone] = last + b"\x00"  # the next possible key after ``last``
         return leases
 
-    def _take(self, lease: Lease) -> None:
-        self._current(lease)
-        del self._leases[lease.key]
-
-    def _take_to_settle(self, lease: Lease) -> None:
-        """Take ``lease`` for an outcome about to be written (``held.py``: ``_settle``)."""
-        self._take(lease)
-        self._settling[lease.key] = lease
-
     def release(self, lease: Lease) -> None:
         """Give a lease back unchanged (the worker did not try): ready again at once."""
         self._take(lease)
@@ -376,13 +367,12 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             return
         self._current(lease)  # a stale lease is refused before anything else is looked at
         head = self._read_head(lease.recipient.msg_id)
-        self._take_to_settle(lease)
         record = lease.recipient.after_attempt(now_ms, outcome.reply)
         ops: list[Op] = [(lease.key, None)]
         ops.append(self._outcome_event(EventKind.DELIVERED, record, now_ms, outcome))
         self._counters.move(record.zone, record.domain, State.READY, None)
         ops.extend(self._recipients_gone(record.msg_id, head))
-        await self._settle(lease, self._writer.submit(ops, sync=False), replay)
+        await self._write_outcome(Held(lease, replay), ops, sync=False)
 
     async def defer(
         self,
@@ -401,9 +391,9 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         replay = functools.partial(
             self.defer, lease, now_ms, next_attempt_ms, outcome, delay_notice=delay_notice
         )
-        if self._hold_if_failed(lease, replay):
+        if self._hold_if_failed(lease, replay, delay_notice):
             return
-        self._take_to_settle(lease)
+        self._current(lease)
         record = lease.recipient.after_attempt(now_ms, outcome.reply, next_attempt_ms)
         if delay_notice is not None:
             record = replace(record, delay_notified=True)
@@ -418,12 +408,12 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             ops.extend(notice_ops)
             ops.append(self._outcome_event(EventKind.DELAYED, record, now_ms, outcome))
             effects.append(self._readied(ready))
-        landing = self._writer.submit(
+        await self._write_outcome(
+            Held(lease, replay, notice_size(delay_notice)),
             ops,
             sync=delay_notice is not None,
             effect=_all(effects) if len(effects) > 1 else effects[0],
         )
-        await self._settle(lease, landing, replay)
 
     async def bounce(
         self,
@@ -442,11 +432,10 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         replay = functools.partial(
             self.bounce, lease, now_ms, outcome, expired=expired, notice=notice
         )
-        if self._hold_if_failed(lease, replay):
+        if self._hold_if_failed(lease, replay, notice):
             return
         self._current(lease)  # a stale lease is refused before anything else is looked at
         head = self._read_head(lease.recipient.msg_id)
-        self._take_to_settle(lease)
         record = lease.recipient.after_attempt(now_ms, outcome.reply)
         kind = EventKind.EXPIRED if expired else EventKind.BOUNCED
         ops: list[Op] = [(lease.key, None)]
@@ -458,8 +447,9 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             notice_ops, ready = self._notice_ops(notice, now_ms)
             ops.extend(notice_ops)
             effect = self._readied(ready)
-        landing = self._writer.submit(ops, sync=notice is not None, effect=effect)
-        await self._settle(lease, landing, replay)
+        await self._write_outcome(
+            Held(lease, replay, notice_size(notice)), ops, sync=notice is not None, effect=effect
+        )
 
     def _notice_ops(self, notice: Notice, now_ms: int) -> tuple[list[Op], dict[str, bytes]]:
         """A generated message (a DSN), whole: it is small, so it goes in one batch."""
