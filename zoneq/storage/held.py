@@ -128,15 +128,13 @@ class HeldMixin(StoreBase):
         self._take(lease)
         self._settling[lease.key] = held
         landed = functools.partial(self._landed_outcome, lease.key)
-        try:
+        # If its batch fails, it was held when the failure was noticed (``_hold_settling``):
+        # the report is taken, and written after the reopen (or found already applied, if
+        # the batch reached the log).
+        with contextlib.suppress(StorageUnavailable):
             await self._writer.submit(
                 ops, sync=sync, effect=landed if effect is None else _both(effect, landed)
             )
-        except StorageUnavailable:
-            # Its batch failed, so it was held when the failure was noticed
-            # (``_hold_settling``): the report is taken, and written after the reopen (or
-            # found already applied, if the batch reached the log).
-            pass
 
     def _may_lease_while_failed(self, limit: int) -> int:
         """How many recipients may still be leased while the store is failed (raises if
