@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
 from zoneq.protocol.replies import EnhancedStatus, Reply
-from zoneq.receiver.passwords import DUMMY_HASH, verify_password
+from zoneq.receiver.passwords import dummy_hash, verify_password
 from zoneq.receiver.sasl import Credentials, SaslError, SaslExchange
 
 __all__ = ["AUTH_FAILED", "AuthSession", "Authenticator", "Outcome", "PluginVerdict"]
@@ -69,7 +69,7 @@ class Authenticator:
         stored = self._users.get(credentials.username)
         loop = asyncio.get_running_loop()
         matched = await loop.run_in_executor(
-            self._hashing, verify_password, stored or DUMMY_HASH, credentials.password
+            self._hashing, verify_password, stored or dummy_hash(), credentials.password
         )
         ok = matched and stored is not None and credentials.authzid in ("", credentials.username)
         if not ok:
