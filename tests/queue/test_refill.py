@@ -10,11 +10,14 @@ verdicts depended on is missed.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.queue.test_service import Clock, outcome, service_for
 from tests.storage.conftest import MINUTE, async_test, queue_message
-from zoneq.queue.service import Result
+from zoneq.protocol.reply_rules import ReplyAction
+from zoneq.queue.service import RESCAN_S, Result
 from zoneq.storage.base import StoreBase
 from zoneq.storage.store import QueueStore
 
@@ -96,3 +99,31 @@ async def test_a_record_ready_again_before_the_last_one_read_reads_all_again(
     assert await service.promote_due() == 1
     (again,) = await service.lease(Z, "w1", max_jobs=10)
     assert [r.address for r in again.recipients] == ["x@other.test"]
+
+
+@async_test
+async def test_a_domain_startable_again_without_an_event_is_leased_within_a_second(
+    store: QueueStore,
+) -> None:
+    # A "slow down" turns a domain's second record down; its rate allows it again later
+    # with no event to wake anyone.  A worker waiting for work looks again when the
+    # refill's verdicts expire (RESCAN_S), not at the end of its wait.
+    clock = Clock()
+    service = service_for(store, clock, window=1)
+    await queue_message(store, [("a@slow.test", Z)])
+    await queue_message(store, [("b@slow.test", Z)])
+    feedback = service._zone(Z).slots.feedback
+    assert feedback is not None
+    feedback.note("slow.test", ReplyAction.SLOW_DOWN)  # one start a second
+    (first,) = await service.lease(Z, "w1")
+    assert first.domain == "slow.test"
+    assert await service.lease(Z, "w2") == []  # b@slow.test turned down: the rate
+    clock.now += 2000  # the slowed rate lets slow.test start again
+    await queue_message(store, [("c@other.test", Z)])  # a wake, past the last key read
+    (other,) = await service.lease(Z, "w2")
+    assert other.domain == "other.test"
+    started = time.monotonic()
+    jobs = await service.lease(Z, "w2", wait_ms=5000)
+    waited = time.monotonic() - started
+    assert [job.domain for job in jobs] == ["slow.test"]
+    assert waited < RESCAN_S + 0.5, f"b@slow.test waited {waited:.2f} s"

@@ -266,6 +266,11 @@ class QueueService:
             rate_wait = state.rate.wait_ms(self._clock())
             if rate_wait > 0:
                 pause = min(pause, rate_wait / 1000)
+            if state.verdicts is not None:
+                # What the last refill turned down may be startable by now with no event to
+                # say so (a slowed domain's rate or rest ran out): look again when its
+                # verdicts expire, not at the end of a wait of several seconds.
+                pause = min(pause, max(0.0, state.verdicts[2] - time.monotonic()))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(state.wake.wait(), pause)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from zoneq.errors import LeaseError, NotFound, StorageCorruption, StorageUnavailable
-from zoneq.storage.base import Lease, StoreBase
+from zoneq.storage.base import Lease, StoreBase, ready_prefix
 from zoneq.storage.leveldb import Op
 from zoneq.storage.records import Notice
 
@@ -160,6 +160,10 @@ class HeldMixin(StoreBase):
             # after LevelDB appended it to the log: the reopen applied it already.
             if self._db.get(key) is not None:
                 self._leases[key] = lease
+        # What the reopen brought back from the log is ready with no event of its own:
+        # every zone is worth a full look (the service's refill forgets what it read).
+        for zone in sorted(self._counters.zones()):
+            self._cursor_back(zone, ready_prefix(zone))
         held, self._held = self._held, []
         self._held_bytes = 0
         if held:
@@ -191,6 +195,7 @@ class HeldMixin(StoreBase):
             current = self._leases.get(item.lease.key)
             if current is item.lease:
                 del self._leases[item.lease.key]
+                self._cursor_back(item.lease.recipient.zone, item.lease.key)
 
     async def _give_up_held(self) -> None:
         """At a stop: one last try to write what is held, else log each as a duplicate."""
