@@ -59,6 +59,10 @@ class Authenticator:
         self._hashing = concurrent.futures.ThreadPoolExecutor(
             max_workers=HASH_THREADS, thread_name_prefix="auth-scrypt"
         )
+        if self._users:
+            # Made now, off the loop, so the first unknown user's answer takes no longer
+            # than a known user's (one scrypt each).
+            self._hashing.submit(dummy_hash)
 
     @property
     def enabled(self) -> bool:
@@ -68,13 +72,17 @@ class Authenticator:
         """True when the credentials are right; a wrong answer comes after the delay."""
         stored = self._users.get(credentials.username)
         loop = asyncio.get_running_loop()
-        matched = await loop.run_in_executor(
-            self._hashing, verify_password, stored or dummy_hash(), credentials.password
-        )
+        matched = await loop.run_in_executor(self._hashing, _verify, stored, credentials.password)
         ok = matched and stored is not None and credentials.authzid in ("", credentials.username)
         if not ok:
             await asyncio.sleep(self.failure_delay_s)
         return ok
+
+
+def _verify(stored: str | None, password: str) -> bool:
+    # On the hashing thread, the dummy hash too: the first unknown user's check makes it
+    # (a scrypt), and it must neither stall the loop nor take longer than a known user's.
+    return verify_password(stored or dummy_hash(), password)
 
 
 Outcome = bytes | Reply

@@ -111,6 +111,3 @@ def dummy_hash() -> str:
     """A hash to check an unknown user's password against (made once, when first needed:
     every zoneq process imports this module, and a scrypt costs 16 MiB and some 50 ms)."""
     return hash_password("", salt=b"\0" * SALT_BYTES)
-
-
-"""Checked against when the user is unknown, so that the answer takes as long either way."""
