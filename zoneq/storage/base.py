@@ -13,7 +13,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final
 
@@ -53,6 +53,16 @@ log = logging.getLogger("zoneq.storage")
 @functools.lru_cache(maxsize=1024)
 def ready_prefix(zone: str) -> bytes:
     return keys.zone_prefix(keys.READY, zone)
+
+
+def run_all(effects: Sequence[Callable[[], None]]) -> Callable[[], None]:
+    """One effect that runs ``effects`` in order (a group writer takes one per write)."""
+
+    def run() -> None:
+        for effect in effects:
+            effect()
+
+    return run
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from zoneq.errors import LeaseError, NotFound, StorageCorruption, StorageUnavailable
-from zoneq.storage.base import Lease, StoreBase, ready_prefix
+from zoneq.storage.base import Lease, StoreBase, ready_prefix, run_all
 from zoneq.storage.leveldb import Op
 from zoneq.storage.records import Notice
 
@@ -68,13 +68,8 @@ class HeldMixin(StoreBase):
     # (50,000 in one step stalled it for 2.9 s).
     REPLAY_STEP: Final = 256
 
-    def _hold_if_failed(
-        self,
-        lease: Lease,
-        replay: Callable[[], Awaitable[None]],
-        notice: Notice | None = None,
-    ) -> bool:
-        """True if the store is failed and could not reopen just now: the outcome is held.
+    def _hold_if_failed(self, held: Held) -> bool:
+        """True if the store is failed and could not reopen just now: ``held`` is held.
 
         A stale lease is still refused (``LeaseError``), as it would be when healthy.
         """
@@ -84,8 +79,8 @@ class HeldMixin(StoreBase):
             self._check()  # at most one reopen a second
             return False
         except StorageUnavailable as exc:
-            self._current(lease)
-            self._hold(Held(lease, replay, notice_size(notice)), exc)
+            self._current(held.lease)
+            self._hold(held, exc)
             return True
 
     def _hold(self, held: Held, exc: StorageUnavailable) -> None:
@@ -133,7 +128,7 @@ class HeldMixin(StoreBase):
         # the batch reached the log).
         with contextlib.suppress(StorageUnavailable):
             await self._writer.submit(
-                ops, sync=sync, effect=landed if effect is None else _both(effect, landed)
+                ops, sync=sync, effect=landed if effect is None else run_all((effect, landed))
             )
 
     def _may_lease_while_failed(self, limit: int) -> int:
@@ -225,11 +220,3 @@ class HeldMixin(StoreBase):
     async def close(self) -> None:
         await self._give_up_held()
         await super().close()
-
-
-def _both(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
-    def run() -> None:
-        first()
-        second()
-
-    return run

@@ -44,7 +44,14 @@ from zoneq.protocol.events import EventKind, event_record
 from zoneq.protocol.ids import format_id, id_time_ms
 from zoneq.storage import keys
 from zoneq.storage.admin import AdminMixin
-from zoneq.storage.base import READY_STATE, Lease, Outcome, QueuedRecipient, ready_prefix
+from zoneq.storage.base import (
+    READY_STATE,
+    Lease,
+    Outcome,
+    QueuedRecipient,
+    ready_prefix,
+    run_all,
+)
 from zoneq.storage.bulk import BulkMixin
 from zoneq.storage.counters import MESSAGES, domain_key, zone_key
 from zoneq.storage.held import Held, HeldMixin, notice_size
@@ -340,12 +347,11 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             if len(leases) >= limit:
                 break
         self.last_scanned = last
-        if after is not None:
-            pass  # what lies before ``after`` is not known here: the cursor stays
-        elif passed_over is not None:
-            self._cursors[zone] = passed_over
-        elif last is not None:
-            self._cursors[zone] = last + b"\x00"  # the next possible key after ``last``
+        if after is None:  # (with ``after``, what lies before it is not known: it stays)
+            if passed_over is not None:
+                self._cursors[zone] = passed_over
+            elif last is not None:
+                self._cursors[zone] = last + b"\x00"  # the next possible key after ``last``
         return leases
 
     def release(self, lease: Lease) -> None:
@@ -362,8 +368,8 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
 
     async def complete(self, lease: Lease, now_ms: int, outcome: Outcome) -> None:
         """Delivered: the recipient leaves the queue (and the message with its last one)."""
-        replay = functools.partial(self.complete, lease, now_ms, outcome)
-        if self._hold_if_failed(lease, replay):
+        held = Held(lease, functools.partial(self.complete, lease, now_ms, outcome))
+        if self._hold_if_failed(held):
             return
         self._current(lease)  # a stale lease is refused before anything else is looked at
         head = self._read_head(lease.recipient.msg_id)
@@ -372,7 +378,7 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         ops.append(self._outcome_event(EventKind.DELIVERED, record, now_ms, outcome))
         self._counters.move(record.zone, record.domain, State.READY, None)
         ops.extend(self._recipients_gone(record.msg_id, head))
-        await self._write_outcome(Held(lease, replay), ops, sync=False)
+        await self._write_outcome(held, ops, sync=False)
 
     async def defer(
         self,
@@ -391,7 +397,8 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         replay = functools.partial(
             self.defer, lease, now_ms, next_attempt_ms, outcome, delay_notice=delay_notice
         )
-        if self._hold_if_failed(lease, replay, delay_notice):
+        held = Held(lease, replay, notice_size(delay_notice))
+        if self._hold_if_failed(held):
             return
         self._current(lease)
         record = lease.recipient.after_attempt(now_ms, outcome.reply, next_attempt_ms)
@@ -409,10 +416,10 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             ops.append(self._outcome_event(EventKind.DELAYED, record, now_ms, outcome))
             effects.append(self._readied(ready))
         await self._write_outcome(
-            Held(lease, replay, notice_size(delay_notice)),
+            held,
             ops,
             sync=delay_notice is not None,
-            effect=_all(effects) if len(effects) > 1 else effects[0],
+            effect=run_all(effects) if len(effects) > 1 else effects[0],
         )
 
     async def bounce(
@@ -432,7 +439,8 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         replay = functools.partial(
             self.bounce, lease, now_ms, outcome, expired=expired, notice=notice
         )
-        if self._hold_if_failed(lease, replay, notice):
+        held = Held(lease, replay, notice_size(notice))
+        if self._hold_if_failed(held):
             return
         self._current(lease)  # a stale lease is refused before anything else is looked at
         head = self._read_head(lease.recipient.msg_id)
@@ -447,9 +455,7 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             notice_ops, ready = self._notice_ops(notice, now_ms)
             ops.extend(notice_ops)
             effect = self._readied(ready)
-        await self._write_outcome(
-            Held(lease, replay, notice_size(notice)), ops, sync=notice is not None, effect=effect
-        )
+        await self._write_outcome(held, ops, sync=notice is not None, effect=effect)
 
     def _notice_ops(self, notice: Notice, now_ms: int) -> tuple[list[Op], dict[str, bytes]]:
         """A generated message (a DSN), whole: it is small, so it goes in one batch."""
@@ -526,14 +532,6 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
 def new_recipients(addresses: Iterable[tuple[str, str]]) -> tuple[NewRecipient, ...]:
     """``(address, zone)`` pairs as commit input (tests and tools)."""
     return tuple(NewRecipient(address=a, zone=z) for a, z in addresses)
-
-
-def _all(effects: Sequence[Callable[[], None]]) -> Callable[[], None]:
-    def run() -> None:
-        for effect in effects:
-            effect()
-
-    return run
 
 
 __all__ = [
