@@ -86,10 +86,11 @@ def mail_bed(
     port: int | None = None,
     remotes: Mapping[str, str] | None = None,
     backlog: int = 16,
+    dns_ttl: int | None = None,
 ) -> Iterator[Bed]:
     """smtp-sink (with ``sink_options``) as the MX of ok.test and src.test; each domain of
     ``remotes`` gets an MX record pointing at its address (on the same port), or at the
-    sink's for :data:`SINK`."""
+    sink's for :data:`SINK`.  The DNS answers carry ``dns_ttl`` (dnsmasq's 0 if None)."""
     sink_ip = loopback_ip()
     with run_smtp_sink(*sink_options, host=sink_ip, port=port, backlog=backlog) as sink:
         records = []
@@ -100,7 +101,7 @@ def mail_bed(
                 f"mx-host={domain},mx{n}.{domain},10",
                 f"host-record=mx{n}.{domain},{address}",
             ]
-        with running_dnsmasq(records, directory / "dns") as dns:
+        with running_dnsmasq(records, directory / "dns", ttl=dns_ttl) as dns:
             yield Bed(sink, dns, directory)
 
 

@@ -104,7 +104,7 @@ def _answers(port: int) -> bool:
     return True
 
 
-def _config(port: int, directory: Path, records: Sequence[str]) -> str:
+def _config(port: int, directory: Path, records: Sequence[str], ttl: int | None) -> str:
     lines = [
         f"port={port}",
         "listen-address=127.0.0.1",
@@ -112,6 +112,9 @@ def _config(port: int, directory: Path, records: Sequence[str]) -> str:
         "no-resolv",
         "no-hosts",
         "local=/test/",
+        # dnsmasq's default is 0, which no resolver caches: a test sees a changed record at
+        # once.  A benchmark gives a real MX record's minutes instead (or a record does).
+        *([f"local-ttl={ttl}"] if ttl is not None else []),
         # Run as root (as in some containers), dnsmasq would write a system-wide PID file.
         f"pid-file={directory / 'dnsmasq.pid'}",
         "log-facility=-",
@@ -121,8 +124,11 @@ def _config(port: int, directory: Path, records: Sequence[str]) -> str:
 
 
 @contextlib.contextmanager
-def running_dnsmasq(records: Sequence[str], directory: Path) -> Iterator[Dnsmasq]:
-    """Start dnsmasq with ``records``; yield it once it answers; stop it by PID afterwards."""
+def running_dnsmasq(
+    records: Sequence[str], directory: Path, *, ttl: int | None = None
+) -> Iterator[Dnsmasq]:
+    """Start dnsmasq with ``records`` (answered with ``ttl``, if given); yield it once it
+    answers; stop it by PID afterwards."""
     binary = dnsmasq_binary()
     if binary is None:
         missing("dnsmasq is not installed (Debian/Ubuntu: apt-get install dnsmasq-base)")
@@ -131,7 +137,7 @@ def running_dnsmasq(records: Sequence[str], directory: Path) -> Iterator[Dnsmasq
     for attempt in range(3):
         port = free_port()
         conf = directory / "dnsmasq.conf"
-        conf.write_text(_config(port, directory, records))
+        conf.write_text(_config(port, directory, records, ttl))
         log = directory / f"dnsmasq-{attempt}.log"
         with log.open("wb") as log_file:
             process = subprocess.Popen(
