@@ -14,6 +14,7 @@ import os
 import random
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -417,6 +418,58 @@ def test_zero_ttl_is_not_cached(tmp_path: Path) -> None:
         assert resolver.cache.get("amx.test.", "A") is None
         # The negative answers (no MX, no AAAA) carry no TTL of their own: the default.
         assert resolver.cache.get("amx.test.", "MX") is not None
+
+
+def asked(server: Dnsmasq, question: str, at_least: int) -> int:
+    """How often dnsmasq logged ``question`` (``query[MX] amx.test``), once it logged it at
+    least ``at_least`` times or a second went by."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        count = server.log.read_text(errors="replace").count(f"{question} from ")
+        if count >= at_least or time.monotonic() > deadline:
+            return count
+        time.sleep(0.02)
+
+
+@pytest.mark.integration
+def test_a_question_on_its_way_is_asked_once(tmp_path: Path) -> None:
+    # TTL 0: nothing is cached, so only sharing the question in flight keeps it to one.
+    records = ["log-queries", "host-record=amx.test,127.0.0.13"]
+    with running_dnsmasq(records, tmp_path) as server:
+        resolver = make_resolver(server.port)
+
+        async def together() -> list[MxResult]:
+            return await asyncio.gather(*(resolver.resolve("amx.test") for _ in range(20)))
+
+        results = asyncio.run(together())
+        assert {r.hosts for r in results} == {(MxHost("amx.test", 0, ("127.0.0.13",)),)}
+        for question in ("query[MX] amx.test", "query[A] amx.test", "query[AAAA] amx.test"):
+            assert asked(server, question, 2) == 1, question
+        # Once answered it is asked again: the A answer (TTL 0) was not kept.  The negative
+        # MX and AAAA answers carry the default TTL and are.
+        assert resolve(resolver, "amx.test").kind is MxKind.HOSTS
+        assert asked(server, "query[A] amx.test", 2) == 2
+        assert asked(server, "query[MX] amx.test", 2) == 1
+
+
+@pytest.mark.integration
+def test_a_waiter_given_up_leaves_the_others_their_answer(dns_server: Dnsmasq) -> None:
+    resolver = make_resolver(dns_server.port)  # tempfail.test times out after 1 s
+
+    async def one_cancelled() -> tuple[MxResult, MxResult]:
+        first = asyncio.ensure_future(resolver.resolve("tempfail.test"))
+        second = asyncio.ensure_future(resolver.resolve("tempfail.test"))
+        third = asyncio.ensure_future(resolver.resolve("tempfail.test"))
+        await asyncio.sleep(0.2)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        return await second, await third
+
+    second, third = asyncio.run(one_cancelled())
+    assert second.kind is third.kind is MxKind.TEMPORARY
+    assert "timed out" in second.reason and "timed out" in third.reason
+    assert not resolver._asking  # nothing left behind for the next lookup
 
 
 def answer(ttl: float, *addresses: str) -> DnsAnswer:

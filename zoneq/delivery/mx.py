@@ -48,6 +48,11 @@ response carries no SOA.  Temporary failures are not cached: the next delivery a
 again.  The cache reads time only through the injected clock (monotonic seconds), holds a
 bounded number of answers and evicts the least recently used.  dnspython's own cache is not
 used, because it reads the wall clock itself.
+
+A question already on its way is not asked again: every lookup of the same name and type
+that comes while it is out waits for its answer (or its failure).  A bulk send opens many
+connections to one new domain at once, and an answer with a TTL of 0 is never cached, so
+without this each of them would ask the same three questions.
 """
 
 from __future__ import annotations
@@ -307,6 +312,7 @@ class MxResolver:
         self._resolver = resolver
         self._rng = rng
         self.cache = AnswerCache(clock, cache_size)
+        self._asking: dict[tuple[str, str], asyncio.Future[DnsAnswer]] = {}
         self._own_addresses = frozenset(ipaddress.ip_address(a) for a in own_addresses)
         self._own_names = frozenset(n.rstrip(".").lower() for n in own_names)
         self._allow_loopback = allow_loopback
@@ -467,9 +473,24 @@ class MxResolver:
         cached = self.cache.get(key, rdtype)
         if cached is not None:
             return cached
+        question = (key, rdtype)
+        asking = self._asking.get(question)
+        if asking is None:
+            asking = asyncio.ensure_future(self._ask_and_cache(qname, key, rdtype))
+            self._asking[question] = asking
+            asking.add_done_callback(lambda done: self._answered(question, done))
+        # Shielded: one waiter given up (its delivery cancelled) must not fail the others.
+        return await asyncio.shield(asking)
+
+    async def _ask_and_cache(self, qname: dns.name.Name, key: str, rdtype: str) -> DnsAnswer:
         answer = await self._ask(qname, rdtype)
         self.cache.put(key, rdtype, answer)
         return answer
+
+    def _answered(self, question: tuple[str, str], done: asyncio.Future[DnsAnswer]) -> None:
+        self._asking.pop(question, None)
+        if not done.cancelled():
+            done.exception()  # retrieved, even when every waiter has gone
 
     async def _ask(self, qname: dns.name.Name, rdtype: str) -> DnsAnswer:
         try:
