@@ -80,6 +80,45 @@ def test_a_blocked_address_rests_for_that_domain_only_then_returns() -> None:
     assert state.rested("outlook.com") == frozenset()
 
 
+DAY = 24 * 60 * MINUTE
+
+
+def test_a_clock_stepped_back_holds_a_slowed_domain_one_period_at_most() -> None:
+    clock = Clock()
+    state = feedback(clock)
+    state.observe("gmail.com", 421, "4.7.28", GMAIL_RATE)
+    clock.now += 5 * MINUTE
+    clock.now -= DAY  # NTP or an operator steps the wall clock back a day
+    assert state.slowed() == {"gmail.com"}  # still slowed: the step shortens nothing...
+    assert state.limit("gmail.com", 8) == 4
+    clock.now += 10 * MINUTE  # ...and lengthens it to one slow_down_period (10m), not a day
+    assert state.slowed() == frozenset() and state.limit("gmail.com", 8) == 8
+    slots = DomainSlots(8, feedback=state)
+    assert starts(slots, "gmail.com") == 8
+
+
+def test_a_clock_stepped_back_rests_an_address_one_period_at_most() -> None:
+    clock = Clock()
+    state = feedback(clock)
+    state.observe("outlook.com", 554, "5.7.1", SPAMHAUS, "192.0.2.1")
+    clock.now -= DAY
+    assert state.rested("outlook.com") == {"192.0.2.1"}
+    clock.now += 60 * MINUTE  # blocked_rest = "1h" from the new time, not a day and an hour
+    assert state.rested("outlook.com") == frozenset()
+
+
+def test_a_clock_stepped_back_spaces_a_slowed_domain_by_its_rate_not_the_step() -> None:
+    clock = Clock()
+    state = feedback(clock)
+    state.observe("gmail.com", 421, "4.7.28", GMAIL_RATE)
+    slots = DomainSlots(8, feedback=state)
+    assert starts(slots, "gmail.com") == 1
+    clock.now -= 5 * MINUTE
+    assert starts(slots, "gmail.com") == 0
+    clock.now += SECOND  # slow_down_rate "1/s": the next start one second on
+    assert starts(slots, "gmail.com") == 1
+
+
 @pytest.mark.parametrize(
     ("code", "enhanced", "reply"),
     [

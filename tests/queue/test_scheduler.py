@@ -63,6 +63,42 @@ def test_no_window_ever_holds_more_than_the_rate_allows(
         assert b - a >= interval - 1e-6  # evenly spread: never closer than one interval
 
 
+HOUR = 3_600_000
+
+
+@pytest.mark.parametrize("burst", [1, 3])
+def test_a_clock_stepped_back_delays_the_rate_by_one_interval_not_the_step(burst: int) -> None:
+    rate = RateLimiter(10, 1000, burst)  # one every 100 ms
+    now = 10 * HOUR
+    while rate.take(now):
+        pass
+    now -= HOUR  # the wall clock steps back an hour
+    assert 0 < rate.wait_ms(now) <= 100
+    assert not rate.take(now)
+    assert rate.take(now + 100)
+
+
+@given(
+    count=st.integers(1, 500),
+    per_ms=st.sampled_from([1000, 60_000, 3_600_000]),
+    burst=st.integers(1, 4),
+    steps=st.lists(st.integers(-10 * HOUR, 10 * HOUR), min_size=1, max_size=100),
+)
+def test_however_the_clock_moves_the_next_start_is_at_most_an_interval_away(
+    count: int, per_ms: int, burst: int, steps: list[int]
+) -> None:
+    rate = RateLimiter(count, per_ms, burst)
+    interval = per_ms / count
+    now = 20 * HOUR
+    for step in steps:
+        now += step
+        while rate.take(now):
+            pass
+        wait = rate.wait_ms(now)
+        assert 0 < wait <= interval + 1e-6
+        assert rate.take(now + wait + 0.001)  # a thousandth of a millisecond: float rounding
+
+
 # --- domain slots ---------------------------------------------------------------------------
 
 

@@ -21,7 +21,8 @@ provider throttles and blocks addresses, so one zone's trouble is not another's)
 
 The scheduler's ``DomainSlots`` asks ``limit`` and ``may_start`` and calls ``started``;
 the report path calls ``observe`` with each outcome's reply.  The clock is injected, so
-tests drive time by hand.
+tests drive time by hand.  It is the service's wall clock: a step back shortens nothing and
+lengthens a period to at most its full length from the new time.
 """
 
 from __future__ import annotations
@@ -135,15 +136,22 @@ class DomainFeedback:
         if resting is None:  # the common case: one dict lookup, no clock reading
             return frozenset()
         now = self.clock()
-        for address in [a for a, until in resting.items() if until <= now]:
-            del resting[address]
+        for address, until in list(resting.items()):
+            if until <= now:
+                del resting[address]
+            elif until > now + self.rest_ms:  # the clock stepped back: rest one period
+                resting[address] = now + self.rest_ms
         if not resting:
             self._rested.pop(domain, None)
         return frozenset(resting)
 
     def _current(self, domain: str, now: float) -> _Slowed | None:
         slowed = self._slowed.get(domain)
-        if slowed is not None and slowed.until_ms <= now:
+        if slowed is None:
+            return None
+        if slowed.until_ms <= now:
             del self._slowed[domain]  # the period is over: back to normal
             return None
+        # The (wall) clock may have stepped back: no longer than a "slow down" just received.
+        slowed.until_ms = min(slowed.until_ms, now + self.period_ms)
         return slowed

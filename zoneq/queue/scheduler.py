@@ -90,16 +90,25 @@ class RateLimiter:
         """How long until :meth:`take` would succeed (0: now)."""
         if self.unlimited:
             return 0.0
-        return max(0.0, self._tat - self._slack - now_ms)
+        # The same difference as take's, so a refused take never sees a wait of 0.
+        return max(0.0, (self._within(now_ms) - now_ms) - self._slack)
 
     def take(self, now_ms: float) -> bool:
         if self.unlimited:
             return True
-        tat = max(self._tat, now_ms)
+        tat = max(self._within(now_ms), now_ms)
         if tat - now_ms > self._slack:
             return False
         self._tat = tat + self._interval
         return True
+
+    def _within(self, now_ms: float) -> float:
+        """The theoretical arrival time, no later than a clock that only moves forward can
+        leave it: one interval past the tolerance.  The service's clock is the wall clock
+        (due times are stored), and a step back (NTP, an operator) would otherwise hold
+        the zone for as long as the step."""
+        self._tat = min(self._tat, now_ms + self._slack + self._interval)
+        return self._tat
 
 
 @dataclass(frozen=True, slots=True)
