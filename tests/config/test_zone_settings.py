@@ -194,6 +194,8 @@ def test_a_valid_zone_with_every_new_setting_loads() -> None:
         ("6000/min", (6000, 60_000)),
         ("20000/h", (20000, 3_600_000)),
         ("1/Hour", (1, 3_600_000)),
+        ("1000000/s", (1_000_000, 1000)),  # the most a limit can space out
+        ("60000000/min", (60_000_000, 60_000)),
     ],
 )
 def test_parse_rate(text: str, expected: tuple[int, int]) -> None:
@@ -203,6 +205,12 @@ def test_parse_rate(text: str, expected: tuple[int, int]) -> None:
 @pytest.mark.parametrize("text", ["0/s", "-1/s", "1.5/s", "10", "10/d", "/s", "ten/s"])
 def test_parse_rate_refuses(text: str) -> None:
     with pytest.raises(ValueError, match="rate"):
+        parse_rate(text)
+
+
+@pytest.mark.parametrize("text", ["1000001/s", "60000001/min", "999999999/s"])
+def test_a_rate_too_fast_to_space_is_refused_with_the_limit(text: str) -> None:
+    with pytest.raises(ValueError, match=r"more than 1,000,000/s: leave the key out"):
         parse_rate(text)
 
 

@@ -64,6 +64,20 @@ def test_no_window_ever_holds_more_than_the_rate_allows(
 
 
 HOUR = 3_600_000
+WALL_MS = 1_795_000_000_000  # wall-clock milliseconds, late 2026
+
+
+@pytest.mark.parametrize("count", [999, 1000, 1500, 3000, 100_000, 1_000_000])
+def test_a_zone_rate_above_one_a_millisecond_is_kept_on_a_millisecond_clock(count: int) -> None:
+    """The service reads whole milliseconds; however often workers ask within one, a second
+    starts the zone's rate, not 1000 or 2000.  (Float steps at wall-clock magnitude space
+    the fastest rates by a fraction of a percent.)"""
+    rate = RateLimiter.zone((count, 1000))
+    asks = count // 1000 + 3  # more than the rate allows per millisecond
+    started = 0
+    for now in range(WALL_MS, WALL_MS + 1000):
+        started += sum(rate.take(now) for _ in range(asks))
+    assert count * 0.99 <= started <= count * 1.01 + 2, started
 
 
 @pytest.mark.parametrize("burst", [1, 3])

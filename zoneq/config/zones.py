@@ -42,6 +42,9 @@ _UNITS: Final[dict[str, int]] = {
 _RATE: Final = re.compile(r"\s*(\d{1,9})\s*/\s*([a-z]+)\s*")
 
 
+MAX_RATE_PER_S = 1_000_000
+
+
 def parse_rate(text: str) -> tuple[int, int]:
     """``"100/s"`` -> ``(100, 1000)``: a count and the period it is spread over, in ms.
 
@@ -60,7 +63,14 @@ def parse_rate(text: str) -> tuple[int, int]:
         raise ValueError(
             f"a rate of zero ({text!r}) would never send: leave the key out for no limit"
         )
-    return count, _UNITS[match[2]]
+    per_ms = _UNITS[match[2]]
+    if count * 1000 > MAX_RATE_PER_S * per_ms:
+        # Past this the limiter's spacing falls below what a float of wall-clock
+        # milliseconds can add, and the limit would quietly do nothing.
+        raise ValueError(
+            f"a rate of {text!r} is more than {MAX_RATE_PER_S:,}/s: leave the key out for no limit"
+        )
+    return count, per_ms
 
 
 def _check_rate(value: str) -> str:

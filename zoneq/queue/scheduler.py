@@ -62,6 +62,9 @@ of tolerance lets the next job make that time up.  (ITU-T I.371's cell delay var
 tolerance is the same idea.)"""
 
 
+CLOCK_TICK_MS = 1.0  # the resolution of the service's clock (wall_clock_ms)
+
+
 class RateLimiter:
     """GCRA: at most ``count`` per ``per_ms``, spread evenly; ``count`` 0 means no limit."""
 
@@ -71,7 +74,11 @@ class RateLimiter:
         if count < 0 or per_ms <= 0 or burst < 1:
             raise ValueError("a rate needs count >= 0, per_ms > 0 and burst >= 1")
         self._interval = per_ms / count if count else 0.0
-        self._slack = (burst - 1) * self._interval
+        # The service's clock counts whole milliseconds: a rate above one per millisecond
+        # needs a tolerance of at least one tick, or at most ``burst`` start per reading
+        # and the zone is held to 1000 (or 2000) a second whatever it says.
+        tick = CLOCK_TICK_MS if 0.0 < self._interval < CLOCK_TICK_MS else 0.0
+        self._slack = max((burst - 1) * self._interval, tick)
         self._tat = 0.0
 
     @classmethod
