@@ -472,6 +472,21 @@ def test_a_waiter_given_up_leaves_the_others_their_answer(dns_server: Dnsmasq) -
     assert not resolver._asking  # nothing left behind for the next lookup
 
 
+@pytest.mark.integration
+def test_a_question_left_on_a_closed_loop_is_asked_anew(dns_server: Dnsmasq) -> None:
+    resolver = make_resolver(dns_server.port, lifetime=5.0)  # tempfail.test never answers
+    loop = asyncio.new_event_loop()
+    with contextlib.suppress(TimeoutError):
+        loop.run_until_complete(asyncio.wait_for(resolver.resolve("tempfail.test"), 0.05))
+    loop.close()  # its pending question never answered, never cancelled
+    assert list(resolver._asking) == [("tempfail.test.", "MX")]
+    short = make_resolver(dns_server.port, lifetime=0.3)
+    short._asking = resolver._asking  # the same dead question
+    result = asyncio.run(short.resolve("tempfail.test"))
+    assert result.kind is MxKind.TEMPORARY and "timed out" in result.reason
+    assert not short._asking
+
+
 def answer(ttl: float, *addresses: str) -> DnsAnswer:
     return DnsAnswer(DnsOutcome.ANSWER, ttl, addresses=addresses)
 

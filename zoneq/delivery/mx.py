@@ -52,7 +52,10 @@ used, because it reads the wall clock itself.
 A question already on its way is not asked again: every lookup of the same name and type
 that comes while it is out waits for its answer (or its failure).  A bulk send opens many
 connections to one new domain at once, and an answer with a TTL of 0 is never cached, so
-without this each of them would ask the same three questions.
+without this each of them would ask the same three questions.  The price: a lookup that
+joins a question late shares its failure (a timeout counted from when it was asked) and
+does not ask again itself; its delivery is deferred and retried on the zone's schedule,
+as failures are never cached.
 """
 
 from __future__ import annotations
@@ -475,7 +478,9 @@ class MxResolver:
             return cached
         question = (key, rdtype)
         asking = self._asking.get(question)
-        if asking is None:
+        # A question left pending on a loop that has since closed (a caller that ran its own
+        # loop) can never be answered: ask anew on this one.
+        if asking is None or asking.get_loop() is not asyncio.get_running_loop():
             asking = asyncio.ensure_future(self._ask_and_cache(qname, key, rdtype))
             self._asking[question] = asking
             asking.add_done_callback(lambda done: self._answered(question, done))
@@ -488,7 +493,8 @@ class MxResolver:
         return answer
 
     def _answered(self, question: tuple[str, str], done: asyncio.Future[DnsAnswer]) -> None:
-        self._asking.pop(question, None)
+        if self._asking.get(question) is done:  # not a newer question for the same name
+            del self._asking[question]
         if not done.cancelled():
             done.exception()  # retrieved, even when every waiter has gone
 
