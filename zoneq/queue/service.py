@@ -46,7 +46,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Final
+from typing import Final, NamedTuple
 
 from zoneq.config import Config
 from zoneq.errors import (
@@ -141,6 +141,14 @@ class _Running:
     slot: int = 0  # its connection slot: released, or kept idle, when the job is reported
 
 
+class _Verdicts(NamedTuple):
+    """What a refill scan read (``_refill``)."""
+
+    blocked: frozenset[str]  # the domains blocked then
+    last_key: bytes | None  # the last key it read
+    expires: float  # the monotonic time after which to read it all again anyway
+
+
 @dataclass(slots=True)
 class _Zone:
     name: str
@@ -149,9 +157,7 @@ class _Zone:
     rate: RateLimiter
     queue: JobQueue[Lease] = field(default_factory=JobQueue)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    # What refill scans read (``_refill``): the domains blocked then, the last key read,
-    # and the monotonic time after which to read it all again anyway.
-    verdicts: tuple[frozenset[str], bytes | None, float] | None = None
+    verdicts: _Verdicts | None = None
 
 
 def wall_clock_ms() -> int:
@@ -244,7 +250,7 @@ class QueueService:
         state = self._zones.get(zone)
         if state is not None:
             last = state.verdicts
-            if last is not None and (last[1] is None or key <= last[1]):
+            if last is not None and (last.last_key is None or key <= last.last_key):
                 state.verdicts = None  # ready again among what was turned down: all again
             state.wake.set()
 
@@ -270,7 +276,7 @@ class QueueService:
                 # What the last refill turned down may be startable by now with no event to
                 # say so (a slowed domain's rate or rest ran out): look again when its
                 # verdicts expire, not at the end of a wait of several seconds.
-                pause = min(pause, max(0.0, state.verdicts[2] - time.monotonic()))
+                pause = min(pause, max(0.0, state.verdicts.expires - time.monotonic()))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(state.wake.wait(), pause)
 
@@ -311,8 +317,8 @@ class QueueService:
         now = time.monotonic()
         last = state.verdicts
         after = None
-        if last is not None and last[0] == blocked and now < last[2]:
-            after = last[1]
+        if last is not None and last.blocked == blocked and now < last.expires:
+            after = last.last_key
         else:
             last = None
         leases = self._store.lease(
@@ -322,8 +328,8 @@ class QueueService:
             accept=lambda r: r.domain not in blocked and state.slots.could_start(r.domain),
             after=after,
         )
-        deadline = last[2] if last is not None else now + RESCAN_S
-        state.verdicts = (blocked, self._store.last_scanned or after, deadline)
+        deadline = last.expires if last is not None else now + RESCAN_S
+        state.verdicts = _Verdicts(blocked, self._store.last_scanned or after, deadline)
         if not leases:
             return False
         state.queue.extend(
@@ -415,7 +421,7 @@ class QueueService:
                 zone.slots.keep(running.slot, running.owner)  # idle, or told to close
             else:
                 zone.slots.release(running.slot)
-            if zone.verdicts is not None and running.domain not in zone.verdicts[0]:
+            if zone.verdicts is not None and running.domain not in zone.verdicts.blocked:
                 zone.verdicts = None  # its records may have been turned down: read again
             zone.wake.set()
         return lease
