@@ -417,6 +417,35 @@ async def test_large_or_synced_groups_keep_the_writer_thread(tmp_path: Path) -> 
         assert db.get(b"k%05d" % INLINE_MAX_OPS) == b""
 
 
+def _writer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "zoneq-writer"]
+
+
+@async_test
+async def test_the_writer_thread_starts_when_needed_and_close_stops_it(tmp_path: Path) -> None:
+    before = len(_writer_threads())  # other tests' writers are closed; count only this one's
+    db = FaultyDatabase(tmp_path / "w")
+    writer = GroupWriter(db)
+    try:
+        assert len(_writer_threads()) == before  # none until a group needs one
+        for n in range(3):  # one thread for every synced group, however many
+            await writer.submit([(b"k%d" % n, b"v")], sync=True)
+        assert len(_writer_threads()) == before + 1
+        # close() while the thread is in a write (a slow fsync): it waits for that write.
+        db.gate = threading.Event()
+        db.entered.clear()
+        landing = writer.submit([(b"late", b"v")], sync=True)
+        await wait_for_write(db)
+        threading.Timer(0.2, db.gate.set).start()
+        await asyncio.to_thread(writer.close)
+        assert db.get(b"late") == b"v"
+        assert len(_writer_threads()) == before
+        await landing  # answered on the loop after the thread wrote it
+    finally:
+        writer.close()  # a second close does nothing
+        db.close()
+
+
 def test_a_handle_that_overrides_write_is_never_written_inline(tmp_path: Path) -> None:
     # Tests hold such a handle's writes at a gate: on the event loop that would hang it.
     db = FaultyDatabase(tmp_path / "w")

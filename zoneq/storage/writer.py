@@ -25,10 +25,10 @@ message's id before the commit returns, so nothing needs to read them early.
 Which thread writes: a synced group waits for an fsync (milliseconds), so it goes to the
 writer thread and the event loop carries on.  An unsynced group is a memtable insert and a
 log append: measured here at ~6 us of CPU for a delivery's few keys, against ~40 us for the
-hop to the thread and back (the executor's queue, two thread wake-ups, the GIL handed over
-twice).  Unsynced reports are most of the core's writes under delivery load, so a small
-unsynced group (``INLINE_MAX_OPS`` keys, ``INLINE_MAX_BYTES`` of values) is written on the
-event loop thread by the flusher itself.  Groups still land one at a time and in order
+hop to the thread and back (a queue, two thread wake-ups, the GIL handed over twice).
+Unsynced reports are most of the core's writes under delivery load, so a small unsynced
+group (``INLINE_MAX_OPS`` keys, ``INLINE_MAX_BYTES`` of values) is written on the event
+loop thread by the flusher itself.  Groups still land one at a time and in order
 whichever thread writes them, so what a crash can leave behind is unchanged: a prefix of the
 groups, every synced one up to the last fsync included.  Large unsynced groups (body chunks
 of many sessions) keep the thread, as does a handle whose ``write`` may block
@@ -43,8 +43,10 @@ and reload its in-memory state from what is really on disk.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import queue
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 from zoneq.errors import StorageUnavailable
@@ -71,6 +73,67 @@ class _Group:
         self.waiters: list[asyncio.Future[None]] = []
 
 
+_Job = tuple[_Group, asyncio.AbstractEventLoop, "asyncio.Future[None]"]
+"""A group for the writer thread, the loop to answer on, and the future to answer."""
+
+
+class _Lander:
+    """The writer thread: writes the groups it is given one at a time, in order, and
+    resolves each one's future on the event loop that handed it over.
+
+    Not a ``ThreadPoolExecutor`` with ``run_in_executor``: every synced group (about one
+    per two accepted messages under load) paid for the executor's work item, its lock and
+    idle semaphore, a ``concurrent.futures.Future`` with its condition, and the two
+    callbacks ``wrap_future`` chains between that future and the loop's, all on the event
+    loop thread, which is the one that bounds the accept rate; here it is one queue put,
+    and on the way back one ``call_soon_threadsafe``.  The thread is a daemon: a process
+    that exits without ``close`` is not held up by it, and a write it cuts short is the
+    crash LevelDB recovers from (nobody was told that group was durable).
+    """
+
+    def __init__(self, write: Callable[[_Group], None]) -> None:
+        self._write = write
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def land(self, group: _Group, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+        """Write ``group`` on the thread; the future resolves (or fails) once it has."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="zoneq-writer", daemon=True)
+            self._thread.start()
+        future: asyncio.Future[None] = loop.create_future()
+        self._jobs.put((group, loop, future))
+        return future
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            group, loop, future = job
+            error: Exception | None = None
+            try:
+                self._write(group)
+            except Exception as exc:  # handed to the awaiting flusher, which fails the group
+                error = exc
+            # RuntimeError: that loop is closed, so nothing waits for this group any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, future, error)
+
+    def close(self) -> None:
+        """Stop the thread once what it was given is written."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join()
+
+
+def _settle(future: asyncio.Future[None], error: Exception | None) -> None:
+    if future.done():  # the flusher was cancelled while the thread wrote
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
 class GroupWriter:
     """Stages writes from the event loop and lands them in grouped batches."""
 
@@ -89,7 +152,7 @@ class GroupWriter:
         self._writing = False
         self._flusher: asyncio.Task[None] | None = None
         self._failed: StorageUnavailable | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zoneq-writer")
+        self._lander = _Lander(self._write)
         self._inline = db.inline_safe
         self._idle_waiters: list[asyncio.Future[None]] = []
         self.groups_written = 0
@@ -181,8 +244,7 @@ class GroupWriter:
             self._write(group)
             self.groups_inline += 1
         else:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._executor, self._write, group)
+            await self._lander.land(group, asyncio.get_running_loop())
 
     def _landed(self, group: _Group) -> None:
         """``group`` is in the database: run its effects, unstage its keys, wake its waiters."""
@@ -244,4 +306,4 @@ class GroupWriter:
             await waiter
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        self._lander.close()
