@@ -149,8 +149,6 @@ class StoreBase:
         # ready there (once durable), so the queue service can wake delivery loops waiting
         # for work instead of polling.
         self.on_ready: Callable[[str, bytes], None] | None = None
-        # The last key the latest ``lease`` scan looked at (None if it met none).
-        self.last_scanned: bytes | None = None
 
     def recover(self, *, receiving: dict[int, int] | None = None) -> int:
         """Reload in-memory state from disk (``maintenance.py``)."""

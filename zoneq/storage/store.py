@@ -39,6 +39,7 @@ import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from zoneq.protocol.events import EventKind, event_record
 from zoneq.protocol.ids import format_id, id_time_ms
@@ -69,6 +70,13 @@ from zoneq.storage.records import (
 )
 from zoneq.storage.space import SpaceGuard
 from zoneq.storage.writer import GroupWriter
+
+
+class LeaseScan(NamedTuple):
+    """What one lease scan leased, and the last key it read (None if it read none)."""
+
+    leases: list[Lease]
+    last_key: bytes | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,10 +317,23 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         ``accept`` lets the scheduler pass over a recipient (say its domain is at its
         connection limit) without moving the zone's cursor past it.  ``after``: scan only
         the keys after this one (the caller turned down everything before it moments ago),
-        leaving the cursor where it is.  ``last_scanned`` tells where the scan stopped.
-        While the database cannot write, leasing goes on from the failed handle
-        (``held.py``).
+        leaving the cursor where it is.  While the database cannot write, leasing goes on
+        from the failed handle (``held.py``).
         """
+        return self.lease_scan(zone, limit, owner, accept=accept, after=after).leases
+
+    def lease_scan(
+        self,
+        zone: str,
+        limit: int,
+        owner: str,
+        *,
+        accept: Callable[[Recipient], bool] | None = None,
+        after: bytes | None = None,
+    ) -> LeaseScan:
+        """``lease``, and the last key the scan read (None if it read none): where a scan
+        that ``accept`` turned things down in may go on from next time (the scheduler's
+        ``after``)."""
         if self._writer.failed is not None:
             limit = self._may_lease_while_failed(limit)
         prefix = keys.zone_prefix(keys.READY, zone)
@@ -346,13 +367,12 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             leases.append(lease)
             if len(leases) >= limit:
                 break
-        self.last_scanned = last
         if after is None:  # (with ``after``, what lies before it is not known: it stays)
             if passed_over is not None:
                 self._cursors[zone] = passed_over
             elif last is not None:
                 self._cursors[zone] = last + b"\x00"  # the next possible key after ``last``
-        return leases
+        return LeaseScan(leases, last)
 
     def release(self, lease: Lease) -> None:
         """Give a lease back unchanged (the worker did not try): ready again at once."""
@@ -537,6 +557,7 @@ def new_recipients(addresses: Iterable[tuple[str, str]]) -> tuple[NewRecipient, 
 __all__ = [
     "DroppedRecipient",
     "Lease",
+    "LeaseScan",
     "Outcome",
     "QueueStore",
     "QueuedRecipient",
