@@ -321,7 +321,7 @@ class QueueService:
             after = last.last_key
         else:
             last = None
-        leases, last_key = self._store.lease_scan(
+        leases = self._store.lease(
             state.name,
             room,
             CORE_OWNER,
@@ -329,7 +329,7 @@ class QueueService:
             after=after,
         )
         deadline = last.expires if last is not None else now + RESCAN_S
-        state.verdicts = _Verdicts(blocked, last_key or after, deadline)
+        state.verdicts = _Verdicts(blocked, leases.last_key or after, deadline)
         if not leases:
             return False
         state.queue.extend(

@@ -39,7 +39,6 @@ import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
 
 from zoneq.protocol.events import EventKind, event_record
 from zoneq.protocol.ids import format_id, id_time_ms
@@ -72,11 +71,13 @@ from zoneq.storage.space import SpaceGuard
 from zoneq.storage.writer import GroupWriter
 
 
-class LeaseScan(NamedTuple):
-    """What one lease scan leased, and the last key it read (None if it read none)."""
+class LeaseScan(list[Lease]):
+    """What one lease scan leased, and ``last_key``: the last key it read (None if it read
+    none), where a scan that ``accept`` turned records down in may go on from next time."""
 
-    leases: list[Lease]
-    last_key: bytes | None
+    def __init__(self, leases: Iterable[Lease] = (), last_key: bytes | None = None) -> None:
+        super().__init__(leases)
+        self.last_key = last_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,29 +312,16 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         *,
         accept: Callable[[Recipient], bool] | None = None,
         after: bytes | None = None,
-    ) -> list[Lease]:
+    ) -> LeaseScan:
         """Lease up to ``limit`` ready recipients of ``zone``, oldest message first.
 
         ``accept`` lets the scheduler pass over a recipient (say its domain is at its
         connection limit) without moving the zone's cursor past it.  ``after``: scan only
         the keys after this one (the caller turned down everything before it moments ago),
-        leaving the cursor where it is.  While the database cannot write, leasing goes on
-        from the failed handle (``held.py``).
+        leaving the cursor where it is; the result's ``last_key`` says where the scan
+        stopped.  While the database cannot write, leasing goes on from the failed handle
+        (``held.py``).
         """
-        return self.lease_scan(zone, limit, owner, accept=accept, after=after).leases
-
-    def lease_scan(
-        self,
-        zone: str,
-        limit: int,
-        owner: str,
-        *,
-        accept: Callable[[Recipient], bool] | None = None,
-        after: bytes | None = None,
-    ) -> LeaseScan:
-        """``lease``, and the last key the scan read (None if it read none): where a scan
-        that ``accept`` turned things down in may go on from next time (the scheduler's
-        ``after``)."""
         if self._writer.failed is not None:
             limit = self._may_lease_while_failed(limit)
         prefix = keys.zone_prefix(keys.READY, zone)
@@ -341,7 +329,7 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         if after is not None:
             start = max(start, after + b"\x00")  # the next possible key after ``after``
         stop = keys.prefix_upper_bound(prefix)
-        leases: list[Lease] = []
+        leases = LeaseScan()
         passed_over: bytes | None = None
         last: bytes | None = None
         pending = self._writer.pending
@@ -372,7 +360,8 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
                 self._cursors[zone] = passed_over
             elif last is not None:
                 self._cursors[zone] = last + b"\x00"  # the next possible key after ``last``
-        return LeaseScan(leases, last)
+        leases.last_key = last
+        return leases
 
     def release(self, lease: Lease) -> None:
         """Give a lease back unchanged (the worker did not try): ready again at once."""
