@@ -10,6 +10,7 @@ verdicts depended on is missed.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -127,3 +128,41 @@ async def test_a_domain_startable_again_without_an_event_is_leased_within_a_seco
     waited = time.monotonic() - started
     assert [job.domain for job in jobs] == ["slow.test"]
     assert waited < RESCAN_S + 0.5, f"b@slow.test waited {waited:.2f} s"
+
+
+@async_test
+async def test_leases_woken_together_do_not_each_scan_the_zone(
+    store: QueueStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every lease waiting for a zone wakes when a message is committed; one of them takes
+    # the job, and the rest must not open a database iterator each to find nothing.
+    scans: list[str] = []
+    original = QueueStore.lease
+
+    def counting(self: QueueStore, zone: str, *args: object, **kwargs: object) -> object:
+        scans.append(zone)
+        return original(self, zone, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(QueueStore, "lease", counting)
+    service = service_for(store, Clock())
+    waiting = [
+        asyncio.create_task(service.lease(Z, f"w{n}", max_jobs=1, wait_ms=3000)) for n in range(8)
+    ]
+    await asyncio.sleep(0.05)
+    assert len(scans) == 1  # the first found the zone empty; the others knew it then
+    scans.clear()
+    msg_id = await queue_message(store, [("a@one.test", Z)])
+    done, pending = await asyncio.wait(waiting, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.sleep(0.05)  # the others have woken, looked and gone back to waiting
+    (job,) = done.pop().result()
+    assert job.msg_id == msg_id
+    # The one that took the job read the new record; one more read on to find nothing new.
+    assert len(scans) == 2, scans
+    # A later message is still found by those still waiting.
+    second = await queue_message(store, [("b@two.test", Z)])
+    done, pending = await asyncio.wait(pending, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+    (job,) = done.pop().result()
+    assert job.msg_id == second
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
