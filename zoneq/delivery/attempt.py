@@ -24,10 +24,22 @@ only of families the pool lacks, the recipients are deferred with 4.4.4 (RFC 346
 it must not bounce.  The source address is chosen once per family for the whole walk.
 
 A zone with a smarthost has no MX walk: its one host is the relay (host, port, TLS and
-AUTH from the config).  Each attempt binds one source address of the zone's pool
-(``pool.py``), skipping the ones the core says are resting for the domain, and gives that
-address's EHLO name; the address goes back in every report (``source_ip``), which is how
-the core learns which address a "blocked" reply was about.
+AUTH from the config).  An address literal is used as it is.  A name is resolved by the
+worker's own resolver (``MxResolver.resolve_host``: the configured nameservers, the answer
+cache), never by the system's, and as the host itself, never as an MX: the relay is the
+next hop (Postfix's ``relayhost = [name]``).  A, and AAAA only when the zone can send over
+IPv6 (``ipv6``, and an IPv6 address in the pool if it has one); the addresses then go
+through the walk as one MX host's would (dead-host cache, families, reports naming the
+smarthost), while TLS still checks the certificate against the configured name (RFC 6125
+section 6.2.1: the reference identity is the name the client was given, not an address it
+found).  A smarthost name that does not resolve defers every recipient, whatever DNS said:
+it is the operator's configuration, not the recipients' fault, so it must never bounce them
+(4.4.3 for a failed lookup, 4.4.4 for NXDOMAIN or no address: RFC 3463 section 3.5).
+
+Each attempt binds one source address of the zone's pool (``pool.py``), skipping the ones
+the core says are resting for the domain, and gives that address's EHLO name; the address
+goes back in every report (``source_ip``), which is how the core learns which address a
+"blocked" reply was about.
 
 Plugins (issue 5): ``sender:headers`` is asked once per attempt, before any connection, and
 the fields it adds go in front of the copy sent to every host of the walk (``headers.py``,
@@ -73,7 +85,8 @@ class Relay:
     """A zone's smarthost: every recipient goes there, whatever its domain."""
 
     host: str
-    """A host name, or an address (the config's ``[192.0.2.25]`` without brackets)."""
+    """A host name, resolved at each attempt (A/AAAA, never MX), or an address (the
+    config's ``[192.0.2.25]`` without brackets), used as it is."""
     port: int
     tls: TlsPolicy
     implicit_tls: bool = False
@@ -136,7 +149,9 @@ async def attempt(
     ``plugins``: the send-time hooks (``sender:headers``, ``sender:connect``).
     """
     if settings.relay is not None:
-        mx = _relay_hosts(job.domain, settings.relay)
+        mx = await _relay_hosts(job.domain, settings.relay, settings, resolver)
+        if mx.kind is not MxKind.HOSTS:
+            return _relay_unresolved(job, mx)
     else:
         mx = await resolver.resolve(job.domain, ipv6=settings.ipv6)
         if mx.kind is not MxKind.HOSTS:
@@ -342,21 +357,38 @@ def _report(
     )
 
 
-def _relay_hosts(domain: str, relay: Relay) -> MxResult:
-    """The smarthost in place of the domain's MX hosts (no lookup: the relay routes)."""
+async def _relay_hosts(
+    domain: str, relay: Relay, settings: Settings, resolver: MxResolver
+) -> MxResult:
+    """The smarthost in place of the domain's MX hosts: an address literal as it is, a name
+    as its addresses (the relay routes: no MX lookup)."""
+    if family_of(relay.host) is None:
+        families = settings.families
+        # A pool without IPv6 cannot connect to an IPv6 address: do not ask for any.
+        ipv6 = settings.ipv6 and (families is None or 6 in families)
+        return await resolver.resolve_host(relay.host, ipv6=ipv6)
     host = MxHost(name=relay.host, preference=0, addresses=(relay.host,))
     return MxResult(MxKind.HOSTS, domain, "smarthost", None, hosts=(host,))
 
 
+def _relay_unresolved(job: Job, mx: MxResult) -> list[RecipientReport]:
+    """Every recipient deferred: the smarthost's name has no address now.  Never bounced,
+    even for NXDOMAIN: the name is the operator's, and fixing it should deliver the mail.
+    RFC 3463 section 3.5: 4.4.3 "directory server failure" for a lookup that failed, 4.4.4
+    "unable to route" for an answer without an address."""
+    status = "4.4.3" if mx.kind is MxKind.TEMPORARY else "4.4.4"
+    reply = f"451 {status} the zone's smarthost cannot be resolved: {mx.reason}"
+    return _settle_all(job, Outcome.DEFERRED, reply, status)
+
+
 def _usable_hosts(mx: MxResult, families: frozenset[int] | None) -> MxResult | None:
     """``mx`` with only the addresses the pool can connect from (``families``; None: all),
-    hosts left with none dropped; None when no host is left.  A name (a smarthost given
-    by name) stays: the connection resolves it, in whichever family the system has."""
+    hosts left with none dropped; None when no host is left."""
     if families is None:
         return mx
     hosts = []
     for host in mx.hosts:
-        kept = tuple(a for a in host.addresses if family_of(a) in (*families, None))
+        kept = tuple(a for a in host.addresses if family_of(a) in families)
         if kept:
             hosts.append(MxHost(host.name, host.preference, kept))
     if not hosts:
@@ -373,8 +405,16 @@ def _no_usable_family(job: Job, mx: MxResult, families: frozenset[int]) -> list[
         f"451 4.4.4 no usable address family: the zone's source pool has {have} "
         f"addresses only, and no MX host of {mx.domain} has one of that family"
     )
+    return _settle_all(job, Outcome.DEFERRED, reply, "4.4.4")
+
+
+def _settle_all(
+    job: Job, outcome: Outcome, reply: str, enhanced: str | None
+) -> list[RecipientReport]:
+    """One report per recipient, all alike: settled before any connection (no code: the
+    reply is ours, not a server's)."""
     return [
-        RecipientReport(r.token, Outcome.DEFERRED, reply=reply, code=None, enhanced="4.4.4")
+        RecipientReport(r.token, outcome, reply=reply, code=None, enhanced=enhanced)
         for r in job.recipients
     ]
 
@@ -434,7 +474,4 @@ def _without_connection(job: Job, mx: MxResult) -> list[RecipientReport]:
         code = 556  # RFC 7505 section 4.1
     status = str(mx.status) if mx.status is not None else None
     reply = f"{code} {status + ' ' if status else ''}{mx.reason}"
-    return [
-        RecipientReport(r.token, outcome, reply=reply, code=None, enhanced=status)
-        for r in job.recipients
-    ]
+    return _settle_all(job, outcome, reply, status)

@@ -39,6 +39,13 @@ first one fails.  MX records carry no port: the port to connect to is a setting 
 caller (25 unless a zone says otherwise).  Address literals (``[192.0.2.1]``) are the
 caller's business too; this module resolves domain names only.
 
+``MxResolver.resolve_host(name)`` is step 2 alone, for a host that is the next hop itself
+rather than a mail domain: a smarthost given by name (Postfix's ``relayhost = [name]``: no
+MX lookup).  Its one host comes back as an ``MxHost`` at preference 0, addresses ordered as
+above, through the same cache and shared questions; there is no loop check (the operator
+named the host, and a filter on loopback is a usual relay).  NXDOMAIN is ``NO_DOMAIN``, no
+address ``UNROUTABLE``, a failure ``TEMPORARY``: what to make of them is the caller's call.
+
 Caching
 -------
 Each DNS answer (per name and record type) is cached for its TTL in an ``AnswerCache``:
@@ -240,6 +247,8 @@ class _HostLookup:
 
     addresses: tuple[str, ...]
     temporary: str | None
+    nxdomain: bool = False
+    """Some question said the name does not exist (a clearer reason than "no address")."""
 
 
 def negative_ttl(response: dns.message.Message | None, default: float, cap: float) -> float:
@@ -260,6 +269,21 @@ def _host_text(name: dns.name.Name) -> str:
     if name == dns.name.root:
         return ""
     return name.to_text(omit_final_dot=True).lower()
+
+
+def _parse_name(domain: str) -> dns.name.Name | MxResult:
+    """``domain`` (lower case, no trailing dot) as a DNS name, or why it is not one."""
+    try:
+        if not domain:
+            raise ValueError("empty name")
+        return dns.name.from_text(domain)
+    except (ValueError, dns.exception.DNSException) as exc:
+        reason = f"{domain!r} is not a valid domain name: {exc}"
+        return MxResult(MxKind.NO_DOMAIN, domain, reason, _NO_DOMAIN_STATUS)
+
+
+def _family_text(ipv6: bool) -> str:
+    return "address" if ipv6 else "IPv4 address (IPv6 is turned off)"
 
 
 def _is_unusable(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
@@ -330,19 +354,38 @@ class MxResolver:
         ``ipv6`` False leaves out AAAA lookups and IPv6 addresses, for zones without IPv6.
         """
         domain = domain.rstrip(".").lower()
-        try:
-            if not domain:
-                raise ValueError("empty name")
-            qname = dns.name.from_text(domain)
-        except (ValueError, dns.exception.DNSException) as exc:
-            reason = f"{domain!r} is not a valid domain name: {exc}"
-            return MxResult(MxKind.NO_DOMAIN, domain, reason, _NO_DOMAIN_STATUS)
+        qname = _parse_name(domain)
+        if isinstance(qname, MxResult):
+            return qname
         candidates = await self._candidates(domain, qname)
         if isinstance(candidates, MxResult):
             return candidates
         records, implicit = candidates
         lookups = await asyncio.gather(*(self._addresses(name, ipv6) for _, name in records))
         return self._choose(domain, records, lookups, implicit=implicit, ipv6=ipv6)
+
+    async def resolve_host(self, name: str, *, ipv6: bool = True) -> MxResult:
+        """The addresses of the host ``name`` (A, and AAAA unless ``ipv6`` is False), asked
+        as for an MX host and cached alike; no MX lookup, no loop check.
+
+        ``HOSTS`` holds the one host, at preference 0; else ``TEMPORARY`` (a lookup failed),
+        ``NO_DOMAIN`` (NXDOMAIN) or ``UNROUTABLE`` (the name has no usable address).
+        """
+        name = name.rstrip(".").lower()
+        parsed = _parse_name(name)
+        if isinstance(parsed, MxResult):
+            return parsed
+        lookup = await self._addresses(name, ipv6)
+        if lookup.addresses:
+            host = MxHost(name, 0, lookup.addresses)
+            return MxResult(MxKind.HOSTS, name, f"addresses of {name}", None, (host,))
+        if lookup.temporary is not None:
+            return self._temporary(name, f"address lookup for {name} failed: {lookup.temporary}")
+        if lookup.nxdomain:
+            reason = f"host {name} does not exist (NXDOMAIN)"
+            return MxResult(MxKind.NO_DOMAIN, name, reason, _NO_DOMAIN_STATUS)
+        reason = f"host {name} has no {_family_text(ipv6)}"
+        return MxResult(MxKind.UNROUTABLE, name, reason, _UNROUTABLE_STATUS)
 
     async def _candidates(
         self, domain: str, qname: dns.name.Name
@@ -425,7 +468,7 @@ class MxResolver:
                 f"mail for {domain} loops back to myself (MX host {self_host})",
                 _LOOP_STATUS,
             )
-        family = "address" if ipv6 else "IPv4 address (IPv6 is turned off)"
+        family = _family_text(ipv6)
         what = (
             f"{domain} has no MX and no {family}"
             if implicit
@@ -457,6 +500,7 @@ class MxResolver:
         )
         addresses: list[str] = []
         temporary: str | None = None
+        nxdomain = False
         # IPv4 before IPv6: large receivers hold IPv6 senders to stricter checks (PTR,
         # authentication), so IPv4 is the likelier first success; IPv6 stays as fallback.
         for rdtype, result in zip(rdtypes, results, strict=True):
@@ -465,10 +509,11 @@ class MxResolver:
             elif isinstance(result, BaseException):
                 raise result
             else:
+                nxdomain = nxdomain or result.outcome is DnsOutcome.NXDOMAIN
                 for text in result.addresses:
                     if not _is_unusable(ipaddress.ip_address(text)) and text not in addresses:
                         addresses.append(text)
-        return _HostLookup(tuple(addresses), temporary)
+        return _HostLookup(tuple(addresses), temporary, nxdomain)
 
     async def _query(self, qname: dns.name.Name, rdtype: str) -> DnsAnswer:
         """One question, from the cache or the resolver.  Raises only ``_Temporary``."""

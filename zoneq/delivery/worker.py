@@ -78,12 +78,22 @@ def relay_for(smarthost: Smarthost | None) -> Relay | None:
     auth = smarthost.auth
     implicit = smarthost.tls == "implicit"
     return Relay(
-        host=smarthost.host.strip("[]"),
+        host=_relay_host(smarthost.host),
         port=smarthost.port,
         tls=TlsPolicy.REQUIRED if implicit else TlsPolicy(smarthost.tls),
         implicit_tls=implicit,
         auth=(auth.username, auth.password) if auth is not None else None,
     )
+
+
+def _relay_host(host: str) -> str:
+    """The config's smarthost without an address literal's brackets and its ``IPv6:`` tag
+    (RFC 5321 section 4.1.3: ``[192.0.2.25]``, ``[IPv6:2001:db8::25]``), so an address
+    reaches the attempt as an address; a name (bracketed or not) stays a name."""
+    if not (host.startswith("[") and host.endswith("]")):
+        return host
+    inner = host[1:-1]
+    return inner[5:] if inner[:5].lower() == "ipv6:" else inner
 
 
 def resolver_for(config: Config) -> MxResolver:
