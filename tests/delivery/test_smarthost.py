@@ -19,6 +19,7 @@ from tests.receiver.conftest import TlsFiles, tls_files
 from tests.receiver.harness import T0, make_config, stored_body
 from tests.storage.conftest import async_test
 from tests.support.faultserver import Faults, FaultServer
+from zoneq.config import Config
 from zoneq.protocol.events import Event
 from zoneq.receiver import SmtpReceiver
 from zoneq.receiver.passwords import hash_password
@@ -97,12 +98,19 @@ async def one_deferral(directory: Path, zone: dict[str, Any]) -> Event:
     """Queue one message in a zone with ``zone``'s settings; its first deferral (it is kept
     in the queue, nothing lost)."""
     with dns_for(directory, [], "127.0.0.1") as dns:
-        async with running(config_for(directory, dns, 1, zone)) as core:
-            await core.queue([RECIPIENT])
-            await core.until(lambda: len(core.events("deferred")) == 1)
-            assert core.store.count("default", State.DEFERRED) == 1
-            (event,) = core.events("deferred")
-            return event
+        return await first_deferral(config_for(directory, dns, 1, zone))
+
+
+async def first_deferral(config: Config) -> Event:
+    """Queue one message under ``config``; its first deferral, once the recipient is kept in
+    the queue (deferred, not bounced: nothing lost)."""
+    async with running(config) as core:
+        await core.queue([RECIPIENT])
+        await core.until(lambda: len(core.events("deferred")) == 1)
+        assert core.store.count("default", State.DEFERRED) == 1
+        assert core.events("bounced") == []
+        (event,) = core.events("deferred")
+        return event
 
 
 @async_test
