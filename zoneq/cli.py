@@ -62,7 +62,7 @@ def _cmd_receiver(args: argparse.Namespace) -> int:
         return 2
     from zoneq.receiver import process
 
-    return process.main(config, args.name, args.listen_fd, args.intake_fd)
+    return process.main(config, args.name, args.listen_fd, args.intake_fd, args.tls_listen_fd)
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
@@ -105,6 +105,9 @@ def build_parser(*, internal_only: bool = False) -> argparse.ArgumentParser:
     rx.add_argument("--name", required=True)
     rx.add_argument("--listen-fd", type=int, required=True, help="the core's listening socket")
     rx.add_argument("--intake-fd", type=int, required=True, help="the socket to the core")
+    rx.add_argument(
+        "--tls-listen-fd", type=int, default=None, help="the core's implicit-TLS listening socket"
+    )
     rx.add_argument("--config", type=Path, default=None)
     rx.set_defaults(func=_cmd_receiver)
 

@@ -149,7 +149,7 @@ async def serve(config: Config, config_path: Path | None = None) -> None:
             running.push_async_callback(api.close)  # stopped right after the receiver
         await _start_receiving(running, StoreSink(store, config), config, config_path, plugins)
         log.info("accepting SMTP on %s", config.receiver.listen)
-        if config.receiver.tls_listen is not None:  # bound by the receiver's start()
+        if config.receiver.tls_listen is not None:  # bound like listen, just above
             log.info("accepting SMTP with implicit TLS on %s", config.receiver.tls_listen)
         await supervisor.start()
         # Everything built at start-up (modules, config, compiled rules) lives as long as
@@ -226,8 +226,9 @@ async def _start_receiving(
     plugins: PluginHost,
 ) -> None:
     """The receiver in the core (with the core's ``plugins``; receiver processes load their
-    own), or ``receiver.processes`` of them; each stop is pushed so that the receivers go
-    first (then the listening socket, then the intake server)."""
+    own), or ``receiver.processes`` of them, handed the listening sockets bound here (the
+    implicit-TLS one too); each stop is pushed so that the receivers go first (then the
+    listening sockets, then the intake server)."""
     listen = config.receiver.listen
     if config.receiver.processes == 0:
         receiver = SmtpReceiver(sink, config, clock=now_ms, plugins=plugins)
@@ -238,15 +239,27 @@ async def _start_receiving(
     running.push_async_callback(intake.close)
     listener = await _listening("SMTP receiver", listen, _bind(*config.receiver.listen_address))
     running.callback(listener.close)
+    tls_listener = None
+    if (tls_listen := config.receiver.tls_listen_address) is not None:
+        # The same words as the in-core receiver's ListenError for this port.
+        what = "SMTP receiver (implicit TLS)"
+        tls_listener = await _listening(what, str(config.receiver.tls_listen), _bind(*tls_listen))
+        running.callback(tls_listener.close)
     receivers = Supervisor.receivers(
-        config.receiver.processes, config_path, listener=listener, attach=intake.attach, grace=15
+        config.receiver.processes,
+        config_path,
+        listener=listener,
+        attach=intake.attach,
+        tls_listener=tls_listener,
+        grace=15,
     )
     running.push_async_callback(receivers.stop)
     await receivers.start()
 
 
 async def _bind(host: str, port: int) -> socket.socket:
-    """The receiver processes' listening socket (they accept on it, the core does not)."""
+    """A listening socket of the receiver processes (they accept on it, the core does not):
+    ``receiver.listen``, or ``receiver.tls_listen``, whose TLS they do themselves."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     return socket.create_server((host, port), family=family)
 

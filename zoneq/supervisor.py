@@ -5,11 +5,12 @@ Two kinds of children, one supervisor class:
 * zone workers, ``python -m zoneq worker --zone Z --name N [--config F]``
   (``Supervisor(workers, ...)``);
 * SMTP receiver processes, ``python -m zoneq receiver --name R --listen-fd L --intake-fd I
-  [--config F]`` (``Supervisor.receivers``).  Each start hands the child two descriptors
-  (``pass_fds``): the listening socket the core bound (every receiver accepts on it and the
-  kernel spreads the connections), and its end of a fresh Unix socket pair whose other end
-  the core serves with ``IntakeServer``: the child's queue, and the way the core sees it
-  die (EOF) and abandons what it had in progress.
+  [--tls-listen-fd T] [--config F]`` (``Supervisor.receivers``).  Each start (a restart
+  too) hands the child its descriptors (``pass_fds``): the listening socket the core bound
+  (every receiver accepts on it and the kernel spreads the connections), the implicit-TLS
+  one with ``receiver.tls_listen`` (RFC 8314), and its end of a fresh Unix socket pair
+  whose other end the core serves with ``IntakeServer``: the child's queue, and the way
+  the core sees it die (EOF) and abandons what it had in progress.
 
 A child that exits while zoneq is running is restarted after a delay that doubles with each
 quick failure (1 s up to 30 s), so a child that cannot start does not spin.  On shutdown
@@ -59,6 +60,16 @@ class _Sockets:
 
     listener: socket.socket
     attach: Attach
+    tls_listener: socket.socket | None = None  # receiver.tls_listen
+
+    def fd_args(self, intake_fd: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The descriptors a receiver inherits, and the arguments that name them."""
+        fds = (self.listener.fileno(), intake_fd)
+        args = ("--listen-fd", str(fds[0]), "--intake-fd", str(intake_fd))
+        if self.tls_listener is None:
+            return fds, args
+        tls_fd = self.tls_listener.fileno()
+        return (*fds, tls_fd), (*args, "--tls-listen-fd", str(tls_fd))
 
 
 class Supervisor:
@@ -83,15 +94,16 @@ class Supervisor:
         *,
         listener: socket.socket,
         attach: Attach,
+        tls_listener: socket.socket | None = None,
         grace: float = 30.0,
     ) -> Supervisor:
-        """``count`` receiver processes accepting on ``listener``, each with a socket to
-        the core that ``attach`` serves."""
+        """``count`` receiver processes accepting on ``listener`` (and on ``tls_listener``
+        for implicit TLS), each with a socket to the core that ``attach`` serves."""
         supervisor = cls({}, config_path, grace)
         supervisor._slots = [
             _Slot("receiver", f"receiver-{n}", ["--name", f"receiver-{n}"]) for n in range(count)
         ]
-        supervisor._sockets = _Sockets(listener, attach)
+        supervisor._sockets = _Sockets(listener, attach, tls_listener)
         return supervisor
 
     def _command(self, slot: _Slot, *extra: str) -> list[str]:
@@ -112,8 +124,7 @@ class Supervisor:
             core_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 await self._sockets.attach(core_end, slot.name)
-                fds = (self._sockets.listener.fileno(), child_end.fileno())
-                fd_args = ("--listen-fd", str(fds[0]), "--intake-fd", str(fds[1]))
+                fds, fd_args = self._sockets.fd_args(child_end.fileno())
                 command = self._command(slot, *fd_args)
                 slot.process = await asyncio.create_subprocess_exec(*command, pass_fds=fds)
             finally:

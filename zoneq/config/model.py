@@ -445,8 +445,8 @@ class ReceiverConfig(_Section):
     implicit TLS, because an MTA serves both kinds at once: port 25 (and 587) with STARTTLS
     for MTAs and older clients, 465 for submission clients that RFC 8314 steers to implicit
     TLS (Postfix's ``smtpd_tls_wrappermode`` on a second master.cf service).  Needs
-    ``tls_cert`` and ``tls_key``; not available with ``processes`` > 0 (the receiver
-    processes are handed the one ``listen`` socket)."""
+    ``tls_cert`` and ``tls_key``.  With ``processes`` > 0 the core binds it as it binds
+    ``listen`` and every receiver process accepts on both, loading the certificate itself."""
 
     auth_users: dict[str, Annotated[str, AfterValidator(_check_password_hash)]] = Field(
         default_factory=dict
@@ -486,11 +486,6 @@ class ReceiverConfig(_Section):
             self.listen_address, self.tls_listen_address
         ):
             problems.append(f"the same address as listen ({self.listen}): use another port")
-        if self.processes > 0:
-            # Receiver processes inherit one listening socket (supervisor.py, --listen-fd);
-            # handing them a second is not built, and a silently missing port is worse.
-            text = "not available with processes > 0: set processes = 0 or remove tls_listen"
-            problems.append(text)
         return problems
 
     @property

@@ -7,8 +7,12 @@ about 1 / (CPU per message).  Several processes accepting on one listening socke
 the sessions over the cores; the queue stays in the core, which each receiver reaches
 through the socket the supervisor handed it (``zoneq.ipc.intake_client``).
 
+With ``receiver.tls_listen`` the core binds the implicit-TLS socket too (RFC 8314 section
+3.3, port 465) and every receiver process is handed both; each loads the certificate from
+``tls_cert`` and ``tls_key`` itself, so a restarted receiver also picks up a renewed one.
+
 The process runs the same ``SmtpReceiver`` as the core would, with ``IntakeClient`` as its
-sink, until SIGTERM (it then stops accepting, answers 421 4.3.2 to new commands and lets
+sink, until SIGTERM (it then stops accepting on both, answers 421 4.3.2 to new commands and lets
 commits in flight finish, as the in-core receiver does) or until the core's socket closes
 (the core died: sessions get 421 4.3.0 and the process exits 1, releasing the listening
 socket, so a restarted core can bind its port again).  Its clock reads the wall clock for
@@ -41,26 +45,39 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def main(config: Config, name: str, listen_fd: int, intake_fd: int) -> int:
+def main(
+    config: Config, name: str, listen_fd: int, intake_fd: int, tls_listen_fd: int | None = None
+) -> int:
     """On uvloop, as the core runs (most of a receiver's CPU is event-loop work)."""
-    return uvloop.run(run(config, name, listen_fd, intake_fd))
+    return uvloop.run(run(config, name, listen_fd, intake_fd, tls_listen_fd))
 
 
-async def run(config: Config, name: str, listen_fd: int, intake_fd: int) -> int:
-    """Accept on ``listen_fd`` into the core at ``intake_fd`` until SIGTERM (exit 0) or the
-    core goes away (exit 1)."""
+async def run(
+    config: Config, name: str, listen_fd: int, intake_fd: int, tls_listen_fd: int | None = None
+) -> int:
+    """Accept on ``listen_fd`` (and implicit TLS on ``tls_listen_fd``) into the core at
+    ``intake_fd`` until SIGTERM (exit 0) or the core goes away (exit 1); exit 2 when handed
+    an implicit-TLS socket without a certificate to serve it with."""
+    if tls_listen_fd is not None and config.receiver.tls_cert is None:
+        # The config file changed since the core started (it checked the pair then):
+        # accepting TLS connections with no certificate would fail every handshake.
+        log.error("receiver %s: handed an implicit-TLS socket but tls_cert is unset", name)
+        return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     sink = await IntakeClient.from_fd(intake_fd, name)
-    listener = socket.socket(fileno=listen_fd)
-    listener.setblocking(False)
+    listener = _listener(listen_fd)
+    tls_listener = None if tls_listen_fd is None else _listener(tls_listen_fd)
     # Its own plugins (the receive hooks run here, in this process), closed on the way out.
     plugins = PluginHost.from_config(config)
     receiver = SmtpReceiver(sink, config, clock=now_ms, plugins=plugins)
-    await receiver.start(listener)
+    await receiver.start(listener, tls_listener)
     log.info("receiver %s (pid %d) accepting on %s", name, os.getpid(), config.receiver.listen)
+    if tls_listener is not None:
+        where = config.receiver.tls_listen
+        log.info("receiver %s (pid %d) accepting implicit TLS on %s", name, os.getpid(), where)
     stopped = asyncio.ensure_future(stop.wait())
     lost = asyncio.ensure_future(sink.lost.wait())
     try:
@@ -75,3 +92,10 @@ async def run(config: Config, name: str, listen_fd: int, intake_fd: int) -> int:
         log.error("receiver %s: the core is gone; exiting", name)
         return 1
     return 0
+
+
+def _listener(fd: int) -> socket.socket:
+    """The listening socket the core bound and passed down as ``fd`` (``pass_fds``)."""
+    listener = socket.socket(fileno=fd)
+    listener.setblocking(False)
+    return listener

@@ -180,10 +180,13 @@ class SmtpReceiver:
         self._sessions: set[_Session] = set()
         self._closing = False
 
-    async def start(self, sock: socket.socket | None = None) -> None:
-        """Listen on ``receiver.listen``, or accept on ``sock``, a listening socket that the
-        core bound and handed to this receiver process (and its siblings: the kernel
-        spreads the connections among the processes accepting on it)."""
+    async def start(
+        self, sock: socket.socket | None = None, tls_sock: socket.socket | None = None
+    ) -> None:
+        """Listen on ``receiver.listen`` (and ``receiver.tls_listen``), or accept on ``sock``
+        (and ``tls_sock``): listening sockets that the core bound and handed to this
+        receiver process and its siblings (the kernel spreads the connections among the
+        processes accepting on one socket)."""
         loop = asyncio.get_running_loop()
         if sock is not None:
             self._server = await loop.create_server(self._link, sock=sock)
@@ -191,18 +194,22 @@ class SmtpReceiver:
             host, port = self.config.receiver.listen_address
             self._server = await loop.create_server(self._link, host, port)
         self._port = int(self._server.sockets[0].getsockname()[1])
-        # Receiver processes (``sock``) never have one: config refuses tls_listen with them.
-        tls_listen = self.config.receiver.tls_listen_address
-        if sock is None and tls_listen is not None:
-            await self._listen_implicit_tls(*tls_listen)
+        if tls_sock is not None or (sock is None and self.config.receiver.tls_listen):
+            await self._listen_implicit_tls(tls_sock)
 
-    async def _listen_implicit_tls(self, host: str, port: int) -> None:
-        """The ``receiver.tls_listen`` listener; a port that cannot be bound closes ``listen``
-        again and is a ``ListenError`` naming the address (nothing half-started)."""
+    async def _listen_implicit_tls(self, sock: socket.socket | None) -> None:
+        """The ``receiver.tls_listen`` listener (on ``sock`` if the core bound it); a port
+        that cannot be bound closes ``listen`` again and is a ``ListenError`` naming the
+        address (nothing half-started)."""
+        loop = asyncio.get_running_loop()
+        tls_link = functools.partial(Link, self._accept_implicit_tls)
         try:
-            self._tls_server = await asyncio.get_running_loop().create_server(
-                lambda: Link(self._accept_implicit_tls), host, port
-            )
+            if sock is not None:
+                self._tls_server = await loop.create_server(tls_link, sock=sock)
+            else:
+                host_port = self.config.receiver.tls_listen_address
+                assert host_port is not None  # start() comes here only with tls_listen set
+                self._tls_server = await loop.create_server(tls_link, *host_port)
         except OSError as exc:
             assert self._server is not None
             self._server.close()
