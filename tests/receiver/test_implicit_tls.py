@@ -76,6 +76,29 @@ async def tls_raw(port: int, files: TlsFiles, source: str = CLIENT) -> Raw:
     return Raw(reader, writer)
 
 
+def implicit_tls_client(port: int, files: TlsFiles, source: str) -> aiosmtplib.SMTP:
+    """aiosmtplib for the implicit-TLS port (``use_tls``: the handshake before the
+    greeting), verifying the test certificate, connecting from ``source``."""
+    return aiosmtplib.SMTP(
+        hostname="127.0.0.1",
+        port=port,
+        use_tls=True,
+        tls_context=client_context(files),
+        source_address=(source, 0),
+        local_hostname="client.test",
+        timeout=30,
+    )
+
+
+async def ehlo_under_tls_from_the_start(smtp: aiosmtplib.SMTP) -> None:
+    """EHLO on a connection under implicit TLS, and what it must offer there."""
+    await smtp.ehlo()
+    # RFC 3207: STARTTLS is not offered on a connection already under TLS; AUTH is
+    # offered at once (RFC 4954 asks only for TLS, not for STARTTLS).
+    assert not smtp.supports_extension("starttls")
+    assert smtp.server_auth_methods == ["plain", "login"]
+
+
 def received_protocol(store: QueueStore, msg_id: int) -> str:
     """The protocol keyword of our Received field ("with ESMTPSA id ...")."""
     received, _ = split_received(stored_body(store, msg_id))
@@ -98,22 +121,10 @@ def test_aiosmtplib_sends_over_implicit_tls(
 ) -> None:
     async def body(rx: SmtpReceiver, store: QueueStore) -> None:
         assert rx.tls_port != rx.port
-        smtp = aiosmtplib.SMTP(
-            hostname="127.0.0.1",
-            port=rx.tls_port,
-            use_tls=True,
-            tls_context=client_context(tls_files),
-            source_address=(source, 0),
-            local_hostname="client.test",
-            timeout=30,
-        )
+        smtp = implicit_tls_client(rx.tls_port, tls_files, source)
         await smtp.connect()
         try:
-            await smtp.ehlo()
-            # RFC 3207: STARTTLS is not offered on a connection already under TLS; AUTH is
-            # offered at once (RFC 4954 asks only for TLS, not for STARTTLS).
-            assert not smtp.supports_extension("starttls")
-            assert smtp.server_auth_methods == ["plain", "login"]
+            await ehlo_under_tls_from_the_start(smtp)
             starttls = await smtp.execute_command(b"STARTTLS")
             assert (starttls.code, starttls.message[:5]) == (503, "5.5.1")
             if login:
@@ -280,7 +291,6 @@ def problems(tmp_path: Path, receiver: str) -> list[str]:
         ("no certificate", "set tls_cert and tls_key"),
         ("same address as listen", "same address as listen"),
         ("wildcard takes the port too", "same address as listen"),
-        ("receiver processes", "processes > 0"),
         ("not an address", "host:port"),
     ],
 )
@@ -293,7 +303,6 @@ def test_each_tls_listen_problem_names_the_key(
         "same address as listen": tls
         + 'listen = "127.0.0.1:2525"\ntls_listen = "127.0.0.1:2525"\n',
         "wildcard takes the port too": tls + 'listen = "0.0.0.0:25"\ntls_listen = "127.0.0.1:25"\n',
-        "receiver processes": tls + 'processes = 2\ntls_listen = "127.0.0.1:4650"\n',
         "not an address": tls + 'tls_listen = "465"\n',
     }[case]
     found = problems(tmp_path, text)
@@ -310,6 +319,19 @@ def test_a_valid_tls_listen_loads_and_the_default_has_none(
     assert make_config().receiver.tls_listen is None
     text = f'tls_cert = "{tls_files.cert}"\ntls_key = "{tls_files.key}"\n'
     assert problems(tmp_path, text + 'listen = "127.0.0.1:25"\ntls_listen = "[::1]:25"\n') == []
+
+
+@pytest.mark.parametrize("processes", [0, 1, 2])
+def test_receiver_processes_take_tls_listen_but_not_on_the_listen_address(
+    tmp_path: Path, tls_files: TlsFiles, processes: int
+) -> None:
+    """Receiver processes are handed the implicit-TLS socket too (``supervisor.py``), so the
+    number of them changes nothing: a port of its own loads, ``listen``'s port does not."""
+    text = f'processes = {processes}\ntls_cert = "{tls_files.cert}"\ntls_key = "{tls_files.key}"\n'
+    text += 'listen = "127.0.0.1:2525"\n'
+    assert problems(tmp_path, text + 'tls_listen = "127.0.0.1:4650"\n') == []
+    [clash] = problems(tmp_path, text + 'tls_listen = "127.0.0.1:2525"\n')
+    assert clash.startswith("receiver.tls_listen") and "same address as listen" in clash, clash
 
 
 HOSTS = st.sampled_from(["127.0.0.1", "127.0.0.2", "0.0.0.0", "[::1]", "[::]"])
