@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import uvloop
+
 from tests.support.testbed import missing
 from zoneq.config.model import Config
 from zoneq.plugin import PluginHost
@@ -52,10 +54,12 @@ def run(
     *,
     db: type[Database] = Database,
     sections: dict[str, Any] | None = None,
+    on_uvloop: bool = False,
     **receiver: Any,
 ) -> None:
     """Open a queue and a receiver (with the plugins ``sections`` enables, if any), run
-    ``body``, close them all (bounded in time)."""
+    ``body``, close them all (bounded in time).  ``on_uvloop``: on the event loop
+    ``zoneq serve`` runs (whose order of first read and first task step differs)."""
 
     async def main() -> None:
         store = QueueStore(db(tmp_path / "queue"))
@@ -71,7 +75,10 @@ def run(
             await plugins.close()
             await store.close()
 
-    asyncio.run(main())
+    if on_uvloop:
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
 
 
 class Raw:

@@ -109,6 +109,7 @@ def received_protocol(store: QueueStore, msg_id: int) -> str:
 # --- a real client over the implicit-TLS port ---------------------------------------------
 
 
+@pytest.mark.parametrize("on_uvloop", [False, True], ids=["asyncio", "uvloop"])
 @pytest.mark.parametrize(
     ("source", "login", "protocol"),
     [
@@ -117,7 +118,13 @@ def received_protocol(store: QueueStore, msg_id: int) -> str:
     ],
 )
 def test_aiosmtplib_sends_over_implicit_tls(
-    tmp_path: Path, tls_files: TlsFiles, source: str, login: bool, protocol: str
+    tmp_path: Path,
+    tls_files: TlsFiles,
+    source: str,
+    login: bool,
+    protocol: str,
+    *,
+    on_uvloop: bool,
 ) -> None:
     async def body(rx: SmtpReceiver, store: QueueStore) -> None:
         assert rx.tls_port != rx.port
@@ -142,7 +149,7 @@ def test_aiosmtplib_sends_over_implicit_tls(
         _, rest = split_received(stored_body(store, msg_id))
         assert rest.replace(b"\r\n", b"\n") == MESSAGE.replace(b"\r\n", b"\n")
 
-    run(tmp_path, body, **implicit_options(tls_files))
+    run(tmp_path, body, on_uvloop=on_uvloop, **implicit_options(tls_files))
 
 
 def test_the_plain_listener_still_offers_starttls(tmp_path: Path, tls_files: TlsFiles) -> None:

@@ -65,8 +65,8 @@ class Link(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         # Kept for every read: ``asyncio.get_running_loop`` is a getpid system call.
         self._loop = loop = asyncio.get_running_loop()
-        # Created here, as StreamReaderProtocol does: the loop runs the task's first step
-        # before it first reads the socket, which implicit TLS relies on (tls.py).
+        # Created here, as StreamReaderProtocol does.  asyncio runs the task's first step
+        # before it first reads the socket, uvloop may not: start_tls copes (tls.py).
         self.task = loop.create_task(self._on_connect(self))
 
     def data_received(self, data: bytes) -> None:
@@ -152,6 +152,13 @@ class Link(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
+    def _take_all(self) -> bytes:
+        """What is held, without resuming reading (``_take`` does)."""
+        data = b"".join(self._held)
+        self._held.clear()
+        self._held_size = 0
+        return data
+
     def discard_buffered(self) -> int:
         """Drop the bytes held unread (pipelined after STARTTLS); returns how many."""
         dropped = self._held_size
@@ -190,11 +197,38 @@ class Link(asyncio.Protocol):
 
     async def start_tls(self, context: ssl.SSLContext, *, timeout_s: float) -> None:
         """The server side of a TLS handshake on this connection, within ``timeout_s``;
-        then reads and writes go through TLS.  Raises what the handshake raised."""
+        then reads and writes go through TLS.  Raises what the handshake raised.
+
+        Bytes this link holds unread when it starts are the client's first TLS records,
+        and go to the TLS layer before anything read later.  They can only be: STARTTLS
+        drops what it held before coming here (``tls.py``), and on the implicit-TLS
+        listener the ClientHello may have been read before the session's first step
+        (uvloop reads a new connection before the task ``connection_made`` created has
+        run, and starts reading after ``connection_made`` whatever it asked).
+        """
         loop = asyncio.get_running_loop()
-        transport = await loop.start_tls(
-            self.transport, self, context, server_side=True, ssl_handshake_timeout=timeout_s
+        # Nothing more is read into this link: what arrives from here on is the TLS
+        # layer's to read, once start_tls resumes reading.
+        self.transport.pause_reading()
+        early = self._take_all()
+        upgrade = loop.create_task(
+            loop.start_tls(
+                self.transport, self, context, server_side=True, ssl_handshake_timeout=timeout_s
+            )
         )
+        if early:
+            # start_tls's first step (before ours: its task was scheduled first) puts its
+            # TLS protocol on the transport and schedules that protocol's connection_made
+            # and the resume of reading; the early bytes go right behind them, in the same
+            # turn of the loop, before the socket is read again.
+            await asyncio.sleep(0)
+            protocol = self.transport.get_protocol()
+            if protocol is self and not upgrade.done():  # not the loop's order assumed here
+                upgrade.cancel()
+                raise RuntimeError("start_tls did not take over the connection")
+            if not upgrade.done():
+                loop.call_soon(_feed, protocol, early)
+        transport = await upgrade
         if transport is None:  # the connection closed during the handshake
             raise ConnectionResetError("Connection lost during the TLS handshake")
         self.transport = transport
@@ -224,6 +258,22 @@ class Link(asyncio.Protocol):
             await closed
         finally:
             timer.cancel()
+
+
+def _feed(protocol: asyncio.BaseProtocol, data: bytes) -> None:
+    """Hand ``data`` to ``protocol`` as if the transport had just read it (asyncio's and
+    uvloop's TLS protocols are buffered protocols: ``get_buffer`` / ``buffer_updated``)."""
+    if hasattr(protocol, "get_buffer"):
+        buffered = cast(asyncio.BufferedProtocol, protocol)
+        view = memoryview(data)
+        while view:
+            buffer = memoryview(buffered.get_buffer(len(view)))
+            size = min(len(buffer), len(view))
+            buffer[:size] = view[:size]
+            buffered.buffer_updated(size)
+            view = view[size:]
+    else:
+        cast(asyncio.Protocol, protocol).data_received(data)
 
 
 def _settle(future: asyncio.Future[None]) -> None:

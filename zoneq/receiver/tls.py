@@ -15,10 +15,11 @@ the handshake is the first thing on the connection, before the greeting.  The li
 plain TCP one and each connection is upgraded here, rather than ``start_server(ssl=...)``,
 so that a failed or slow handshake gets our one log line (asyncio's own server is silent
 about them outside debug mode) and the server can cancel handshakes in progress when it
-closes.  The upgrade must start before the event loop first reads the socket, or the
-client's ClientHello would land in the session's buffer instead of the TLS layer: asyncio
-and uvloop both run a task created in ``connection_made`` before the first read, and
-``accept_tls`` is that task's first await.  The handshake is bounded by
+closes.  The client's ClientHello may be read before the handshake starts: asyncio runs a
+task created in ``connection_made`` before it first reads the socket, but uvloop does not
+(it reads a new connection before that task's first step), and ``accept_tls``, that task's
+first await, may come after a read.  What the link holds then is TLS, and
+``Link.start_tls`` hands it to the TLS layer first.  The handshake is bounded by
 ``handshake_timeout`` (a client that never sends a ClientHello is dropped, not kept).
 """
 
