@@ -474,3 +474,47 @@ async def test_failed_inline_write_fails_its_group_and_what_is_staged(tmp_path: 
         assert db.get(b"kept") == b"v"
         assert db.get(b"lost-0") is None
         assert db.get(b"later") == b"v"
+
+
+class _RaisingDatabase(FaultyDatabase):
+    """Raises ``raise_next`` from its next write: errors no real disk gives LevelDB."""
+
+    def __init__(self, path: Path) -> None:
+        self.raise_next: BaseException | None = None
+        super().__init__(path)
+
+    def write(self, ops: Any, *, sync: bool) -> None:
+        error, self.raise_next = self.raise_next, None
+        if error is not None:
+            raise error
+        super().write(ops, sync=sync)
+
+
+class _NotAnException(BaseException):
+    pass
+
+
+@pytest.mark.parametrize(
+    "error", [ValueError("a binding's own error"), _NotAnException("not an Exception")]
+)
+@async_test
+async def test_an_unexpected_error_in_a_write_fails_its_group_and_nothing_hangs(
+    tmp_path: Path, error: BaseException
+) -> None:
+    # Anything a write raises is a failed write (its clients get 4xx), never a commit that
+    # waits for ever, nor a writer thread gone with every later commit behind it.
+    failures: list[StorageUnavailable] = []
+    db = _RaisingDatabase(tmp_path / "w")
+    writer = GroupWriter(db, on_failure=failures.append)
+    try:
+        await writer.submit([(b"a", b"1")], sync=True)
+        db.raise_next = error
+        with pytest.raises(StorageUnavailable):
+            await asyncio.wait_for(writer.submit([(b"b", b"2")], sync=True), 5)
+        assert len(failures) == 1
+        writer.reset()  # as the store does once it has reopened
+        await asyncio.wait_for(writer.submit([(b"c", b"3")], sync=True), 5)
+        assert [db.get(k) for k in (b"a", b"b", b"c")] == [b"1", None, b"3"]
+    finally:
+        writer.close()
+        db.close()

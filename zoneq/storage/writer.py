@@ -98,7 +98,7 @@ class _Lander:
 
     def land(self, group: _Group, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
         """Write ``group`` on the thread; the future resolves (or fails) once it has."""
-        if self._thread is None:
+        if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="zoneq-writer", daemon=True)
             self._thread.start()
         future: asyncio.Future[None] = loop.create_future()
@@ -113,6 +113,11 @@ class _Lander:
                 self._write(group)
             except Exception as exc:  # handed to the awaiting flusher, which fails the group
                 error = exc
+            except BaseException as exc:
+                # Not an Exception (SystemExit, KeyboardInterrupt, ...): raised into the event
+                # loop it would stop it, and a dead thread would leave this group's future,
+                # and so every later commit, waiting for ever.  A failed write it is.
+                error = StorageUnavailable(f"the write was interrupted: {exc!r}")
             # RuntimeError: that loop is closed, so nothing waits for this group any more.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_settle, future, error)
@@ -228,6 +233,9 @@ class GroupWriter:
                     await self._land(group)
                 except StorageUnavailable as exc:
                     self._fail(group, exc)
+                    return
+                except Exception as exc:  # the binding's own errors, or a bug: still a 4xx
+                    self._fail(group, StorageUnavailable(f"write failed: {exc!r}"))
                     return
                 self._landed(group)
         finally:
