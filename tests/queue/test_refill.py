@@ -166,3 +166,20 @@ async def test_leases_woken_together_do_not_each_scan_the_zone(
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
+
+
+@async_test
+async def test_jobs_given_back_by_a_pause_go_out_at_once_after_the_resume(
+    store: QueueStore,
+) -> None:
+    # Planned in the core's queue but not handed out, then given back to the store by the
+    # pause: they lie behind the last key the refill read, so it must read them again.
+    service = service_for(store, Clock())
+    for domain in ("one", "two", "three"):
+        await queue_message(store, [(f"a@{domain}.test", Z)])
+    (first,) = await service.lease(Z, "w1", max_jobs=1)  # the other two stay planned here
+    await service.pause(Z)
+    await service.resume(Z)
+    jobs = await service.lease(Z, "w1", max_jobs=10)  # no wait: at once, not after RESCAN_S
+    assert sorted(job.domain for job in jobs) == ["three.test", "two.test"]
+    assert first.domain == "one.test"

@@ -768,10 +768,6 @@ class QueueService:
                 with contextlib.suppress(LeaseError):  # revoked meanwhile (dropped)
                     self._store.release(lease)
                     returned += 1
-        if returned:
-            # Ready again behind the last refill's scan: the next one reads it all.
-            state.verdicts = None
-            state.exhausted = False
         return returned
 
     async def pause(self, zone: str) -> None:
