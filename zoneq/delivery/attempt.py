@@ -365,8 +365,18 @@ async def _relay_hosts(
     if family_of(relay.host) is None:
         families = settings.families
         # A pool without IPv6 cannot connect to an IPv6 address: do not ask for any.
-        ipv6 = settings.ipv6 and (families is None or 6 in families)
-        return await resolver.resolve_host(relay.host, ipv6=ipv6)
+        pool_without_ipv6 = families is not None and 6 not in families
+        result = await resolver.resolve_host(
+            relay.host, ipv6=settings.ipv6 and not pool_without_ipv6
+        )
+        if settings.ipv6 and pool_without_ipv6 and result.kind is MxKind.UNROUTABLE:
+            # The resolver would say "IPv6 is turned off": here the pool is why.
+            reason = (
+                f"host {result.domain} has no IPv4 address, "
+                "and the zone's source pool has no IPv6 address"
+            )
+            return dataclasses.replace(result, reason=reason)
+        return result
     host = MxHost(name=relay.host, preference=0, addresses=(relay.host,))
     return MxResult(MxKind.HOSTS, domain, "smarthost", None, hosts=(host,))
 
