@@ -216,19 +216,22 @@ class Link(asyncio.Protocol):
                 self.transport, self, context, server_side=True, ssl_handshake_timeout=timeout_s
             )
         )
-        if early:
-            # start_tls's first step (before ours: its task was scheduled first) puts its
-            # TLS protocol on the transport and schedules that protocol's connection_made
-            # and the resume of reading; the early bytes go right behind them, in the same
-            # turn of the loop, before the socket is read again.
-            await asyncio.sleep(0)
-            protocol = self.transport.get_protocol()
-            if protocol is self and not upgrade.done():  # not the loop's order assumed here
-                upgrade.cancel()
-                raise RuntimeError("start_tls did not take over the connection")
-            if not upgrade.done():
-                loop.call_soon(_feed, protocol, early)
-        transport = await upgrade
+        try:
+            if early:
+                # start_tls's first step (before ours: its task was scheduled first) puts
+                # its TLS protocol on the transport and schedules that protocol's
+                # connection_made and the resume of reading; the early bytes go right
+                # behind them, in the same turn of the loop, before the socket is read again.
+                await asyncio.sleep(0)
+                protocol = self.transport.get_protocol()
+                if protocol is self and not upgrade.done():  # not the order assumed here
+                    raise RuntimeError("start_tls did not take over the connection")
+                if not upgrade.done():
+                    loop.call_soon(_feed, protocol, early)
+            transport = await upgrade
+        except BaseException:
+            upgrade.cancel()  # cancelled (the server is closing) or failed: no orphan
+            raise
         if transport is None:  # the connection closed during the handshake
             raise ConnectionResetError("Connection lost during the TLS handshake")
         self.transport = transport
