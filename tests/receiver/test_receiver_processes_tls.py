@@ -205,13 +205,8 @@ def test_a_receiver_killed_is_restarted_with_the_implicit_tls_socket(
 
 async def _one_tls_message(run: Run, files: TlsFiles) -> tuple[int | None, str]:
     """A session on the TLS port: which receiver process holds it, and the reply to its
-    message (AUTH first: 127.0.0.2 may not relay otherwise).
-
-    The client says its ClientHello only once a receiver has accepted the connection.
-    On uvloop a ClientHello that is already waiting when the connection is accepted is
-    read as session input before the handshake starts, and the handshake stalls (a race
-    in the receiver's implicit-TLS path that predates receiver processes, seen in-core
-    too); this test is about which process accepts, so it keeps out of that race."""
+    message (AUTH first: 127.0.0.2 may not relay otherwise).  The client starts TLS once
+    a receiver has accepted the connection, so that the owner is known by then."""
     reader, writer = await asyncio.open_connection(
         "127.0.0.1", run.tls_port, local_addr=(CLIENT, 0)
     )
@@ -224,7 +219,6 @@ async def _one_tls_message(run: Run, files: TlsFiles) -> tuple[int | None, str]:
             if owner is not None:
                 break
             await asyncio.sleep(0.05)
-        await asyncio.sleep(0.2)  # its handshake set up (the task's first step)
         await session.start_tls(client_context(files), HOSTNAME)
         assert (await session.reply()).startswith("220 ")
         assert (await session.cmd("EHLO client.test")).startswith("250-")
@@ -238,3 +232,33 @@ async def _one_tls_message(run: Run, files: TlsFiles) -> tuple[int | None, str]:
         return owner, reply
     finally:
         await session.close()
+
+
+def test_a_receiver_restarted_into_a_config_without_tls_still_serves_plain_smtp(
+    tmp_path: Path, tls_files: TlsFiles
+) -> None:
+    """The operator removes the TLS lines (and the AUTH users, which need TLS) from
+    zones.toml under a running core; receivers restarted since are still handed the TLS
+    socket the core bound.  They say they cannot serve it, and go on serving the plain
+    port (exiting instead left no receiver at all: each restart exited again)."""
+    with serving(tmp_path, tls_files) as run:
+        config = run.serve.config
+        kept = [
+            line
+            for line in config.read_text().splitlines(keepends=True)
+            if not line.startswith(("tls_listen ", "tls_cert ", "tls_key ", "auth_users "))
+        ]
+        config.write_text("".join(kept))
+        originals = run.serve.receivers()
+        for pid in originals:
+            os.kill(pid, signal.SIGKILL)
+
+        def restarted() -> list[int]:
+            return [p for p in run.serve.receivers() if p not in originals]
+
+        wait_until("both receivers are back", lambda: len(restarted()) == RECEIVERS)
+        with socket.create_connection(("127.0.0.1", run.port), timeout=10) as plain:
+            plain.settimeout(10)
+            assert plain.recv(200).startswith(b"220 ")
+        log = run.serve.log_text()
+    assert log.count("handed an implicit-TLS socket but tls_cert is unset") >= RECEIVERS

@@ -6,10 +6,7 @@ implicit-TLS one (``receiver.tls_listen``) only when there is one.  Real sockets
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -42,27 +39,3 @@ def test_each_descriptor_handed_down_is_named_once_and_parses_back(
     parsed = build_parser(internal_only=True).parse_args(["receiver", "--name", "r", *args])
     assert (parsed.listen_fd, parsed.intake_fd) == (plain.fileno(), 99)
     assert parsed.tls_listen_fd == (tls.fileno() if with_tls else None)
-
-
-def test_a_tls_socket_without_a_certificate_is_refused_at_start(
-    tmp_path: Path, listeners: tuple[socket.socket, socket.socket]
-) -> None:
-    """A config changed under a running core (the certificate removed) must not give a
-    receiver that accepts TLS connections it cannot serve: it exits 2 and says why."""
-    config = tmp_path / "zones.toml"
-    config.write_text("[zones.default]\n[zones.bounces]\n")
-    plain, tls = listeners
-    core_end, child_end = socket.socketpair()
-    with core_end, child_end:
-        fds, args = _Sockets(plain, _attach, tls).fd_args(child_end.fileno())
-        command = [sys.executable, "-m", "zoneq", "receiver", "--name", "r", *args]
-        done = subprocess.run(
-            [*command, "--config", str(config)],
-            pass_fds=fds,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "implicit-TLS socket but tls_cert is unset" in done.stderr
