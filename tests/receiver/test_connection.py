@@ -17,12 +17,16 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import uvloop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.receiver.conftest import HOSTNAME, TlsFiles
 from tests.receiver.harness import Raw, nothing_left, run
+from tests.receiver.test_tls_auth import client_context
 from zoneq.receiver import SmtpReceiver
 from zoneq.receiver.connection import HIGH_WATER, Link
+from zoneq.receiver.tls import server_context, start_tls
 from zoneq.storage.store import QueueStore
 
 TIMEOUT = 20.0
@@ -211,3 +215,41 @@ def test_a_batch_cut_short_by_the_client_leaves_nothing_behind(tmp_path: Path) -
         await nothing_left(store)
 
     run(tmp_path, body)
+
+
+@pytest.mark.parametrize("on_uvloop", [False, True], ids=["asyncio", "uvloop"])
+def test_backpressure_holds_after_a_starttls_that_dropped_a_full_buffer(
+    tls_files: TlsFiles, *, on_uvloop: bool
+) -> None:
+    """A link paused at HIGH_WATER whose held bytes STARTTLS drops (RFC 3207 4.2): once
+    over TLS, a session slow for a moment must still stop reading near HIGH_WATER, not
+    hold whatever the client sends (the pause used to outlive the bytes it was for)."""
+    context = server_context(tls_files.cert, tls_files.key)
+    seen: dict[str, int] = {}
+
+    async def session(link: Link) -> None:
+        while link.write_buffer_size() == 0 and link._held_size <= HIGH_WATER:
+            await asyncio.sleep(0.01)  # the client's junk piles up, reading pauses
+        link.write(b"220 go ahead\r\n")
+        assert await start_tls(link, context, timeout_s=10, peer="test")
+        await asyncio.sleep(1.5)  # slow for a moment (a storage write, a hook)
+        seen["held"] = link._held_size
+        link.close()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: Link(session), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"x" * (HIGH_WATER + 70_000))  # pipelined behind a STARTTLS
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"220")
+        await writer.start_tls(client_context(tls_files), server_hostname=HOSTNAME)
+        writer.write(b"y" * 8_000_000)  # as fast as the server reads
+        await asyncio.sleep(2.0)
+        writer.transport.abort()
+        server.close()
+
+    (uvloop.run if on_uvloop else asyncio.run)(main())
+    # Reading stops near HIGH_WATER (plus a read or two and the TLS layer's buffer).
+    assert seen["held"] < 2 * 1024 * 1024, seen

@@ -153,17 +153,23 @@ class Link(asyncio.Protocol):
         return data
 
     def _take_all(self) -> bytes:
-        """What is held, without resuming reading (``_take`` does)."""
+        """What is held, without resuming reading (``_take`` does).  Only before a TLS
+        upgrade, whose ``start_tls`` resumes the transport: the pause is forgotten with the
+        bytes, or reading would never be paused again once the link is over TLS."""
         data = b"".join(self._held)
         self._held.clear()
         self._held_size = 0
+        self._reading_paused = False
         return data
 
     def discard_buffered(self) -> int:
-        """Drop the bytes held unread (pipelined after STARTTLS); returns how many."""
+        """Drop the bytes held unread (pipelined after STARTTLS); returns how many.  The
+        TLS upgrade that follows resumes the transport (``_take_all`` says why the pause
+        is forgotten here)."""
         dropped = self._held_size
         self._held.clear()
         self._held_size = 0
+        self._reading_paused = False
         return dropped
 
     # --- writing -----------------------------------------------------------------------

@@ -271,7 +271,8 @@ class SmtpReceiver:
         assert task is not None
         self._handshakes.add(task)
         try:
-            # The first await of the connection (tls.py says why it must be).
+            # The first await of the connection; what was read before it is the ClientHello
+            # (tls.py), which Link.start_tls hands to the TLS layer.
             timeout = self.handshake_timeout_s
             version = await accept_tls(link, context, timeout_s=timeout, peer=link.peer_ip())
         except asyncio.CancelledError:
