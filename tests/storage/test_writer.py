@@ -518,3 +518,25 @@ async def test_an_unexpected_error_in_a_write_fails_its_group_and_nothing_hangs(
     finally:
         writer.close()
         db.close()
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["thread", "inline"])
+@async_test
+async def test_an_effect_that_raises_still_answers_its_group(
+    tmp_path: Path, sync: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The group is on disk: every commit in it is answered, the other effects run, and
+    # the writer goes on; the failure is logged.
+    ran: list[str] = []
+
+    def broken() -> None:
+        raise ValueError("an effect's bug")
+
+    with writer_on(tmp_path / "w") as (db, writer):
+        first = writer.submit([(b"a", b"1")], sync=sync, effect=broken)
+        second = writer.submit([(b"b", b"2")], sync=sync, effect=lambda: ran.append("b"))
+        await asyncio.wait_for(asyncio.gather(first, second), 5)
+        await asyncio.wait_for(writer.submit([(b"c", b"3")], sync=sync), 5)
+        assert ran == ["b"]
+        assert [db.get(k) for k in (b"a", b"b", b"c")] == [b"1", b"2", b"3"]
+    assert "an effect of a landed write group failed" in caplog.text

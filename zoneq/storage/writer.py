@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -51,6 +52,8 @@ from typing import Final
 
 from zoneq.errors import StorageUnavailable
 from zoneq.storage.leveldb import Database, Op
+
+log = logging.getLogger("zoneq.storage")
 
 _MISSING = object()
 
@@ -259,7 +262,12 @@ class GroupWriter:
         self.groups_written += 1
         self.ops_written += len(group.ops)
         for effect in group.effects:
-            effect()
+            try:
+                effect()
+            except Exception:
+                # The group is durable: its waiters are told so whatever an effect does (an
+                # unanswered commit would be a client's time-out, then a duplicate).
+                log.exception("an effect of a landed write group failed")
         overlay = self._overlay
         seq = group.seq
         for key in group.staged:
