@@ -281,6 +281,44 @@ def test_connections_per_client_counted_on_both_listeners(
     run(tmp_path, body, **implicit_options(tls_files, max_connections_per_client=1))
 
 
+def test_silent_connections_to_the_tls_port_are_bounded_per_client(
+    tmp_path: Path, tls_files: TlsFiles
+) -> None:
+    """A client that connects to the implicit-TLS port and never says its ClientHello is
+    not yet counted as a session; its handshakes in progress are bounded by the same limit
+    per address, past which a connection is closed at once.  Another address still gets
+    its TLS session meanwhile."""
+
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        silent = []
+        for _ in range(10):
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", rx.tls_port, local_addr=(CLIENT, 0)
+            )
+            silent.append(Raw(reader, writer))
+
+        async def open_after_a_while(raw: Raw) -> bool:
+            try:
+                return not await closed(raw, 2.0)
+            except TimeoutError:
+                return True  # the server still waits for its ClientHello
+
+        still_open = await asyncio.gather(*(open_after_a_while(raw) for raw in silent))
+        assert still_open.count(True) == 3, still_open
+        other = await tls_raw(rx.tls_port, tls_files, source="127.0.0.1")
+        assert (await other.reply()).startswith("220 ")
+        await other.cmd("QUIT")
+        await other.close()
+        for raw in silent:
+            await raw.close()
+
+    run(
+        tmp_path,
+        body,
+        **implicit_options(tls_files, max_connections_per_client=3, idle_timeout="20s"),
+    )
+
+
 # --- configuration ------------------------------------------------------------------------
 
 BASE = "[zones.default]\n[zones.bounces]\n[receiver]\n"

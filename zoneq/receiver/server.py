@@ -56,7 +56,7 @@ import contextlib
 import functools
 import logging
 import socket
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Final
 
@@ -176,6 +176,7 @@ class SmtpReceiver:
         self._tls_server: asyncio.Server | None = None  # receiver.tls_listen
         self._tls_port = 0
         self._handshakes: set[asyncio.Task[None]] = set()  # implicit TLS, not yet sessions
+        self._handshaking: Counter[str] = Counter()  # those handshakes per client address
         self.handshake_timeout_s = handshake_timeout(self.idle_timeout_s)
         self._sessions: set[_Session] = set()
         self._closing = False
@@ -264,11 +265,23 @@ class SmtpReceiver:
         """RFC 8314 section 3.3: the handshake (bounded; one info line if it fails), then the
         session as on ``listen``, under TLS from its start.  The connection is counted
         against ``max_connections_per_client`` once the handshake is done, so that a 421
-        for too many connections is said inside TLS, where the client can read it."""
+        for too many connections is said inside TLS, where the client can read it.
+
+        Handshakes in progress are bounded by the same number per client address (in this
+        process): a client that connects and never says its ClientHello holds a socket
+        for the handshake's time limit, and with no bound one address could hold them all
+        (the plain port's sessions too).  Past it a connection is closed at once: nothing
+        can be said to a client before TLS."""
         context = self.tls_context
         assert context is not None  # config: tls_listen needs tls_cert and tls_key
         task = asyncio.current_task()
         assert task is not None
+        ip = link.peer_ip()
+        if self._handshaking[ip] >= self.config.receiver.max_connections_per_client:
+            log.warning("refusing %s: too many TLS handshakes from that address", ip, extra=REPEATS)
+            link.close()
+            return
+        self._handshaking[ip] += 1
         self._handshakes.add(task)
         try:
             # The first await of the connection; what was read before it is the ClientHello
@@ -279,6 +292,9 @@ class SmtpReceiver:
             version = None  # close() during the handshake
         finally:
             self._handshakes.discard(task)
+            self._handshaking[ip] -= 1
+            if not self._handshaking[ip]:
+                del self._handshaking[ip]
         if version is None or self._closing:
             link.close()
             return

@@ -45,7 +45,8 @@ log = logging.getLogger("zoneq.receiver")
 HANDSHAKE_TIMEOUT_S: Final = 60.0
 """The longest an implicit-TLS handshake may take: asyncio's own default.  A handshake is a
 few round trips; a connection still without one after this is a client that will never
-send it, and until then it is not yet counted against ``max_connections_per_client``."""
+send it.  Until then it is not a session counted against ``max_connections_per_client``;
+its handshakes in progress are bounded by that number on their own (``server.py``)."""
 
 
 def handshake_timeout(idle_timeout_s: float) -> float:
