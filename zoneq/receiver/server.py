@@ -764,6 +764,15 @@ class _Session:
             log.warning("message %s: commit failed: %s", format_id(msg_id), exc, extra=REPEATS)
             await self._end_transaction()
             return self.conn.reject(LOCAL_ERROR)
+        except asyncio.CancelledError:
+            # The server is closing and its grace ran out while the commit synced.  The
+            # commit goes on (shielded) and may land: abandoning the message now would
+            # delete what it stores (its first chunks, written before the dot).  If it
+            # lands, the client, told 421, may send it again (RFC 1047's duplicate); if
+            # it fails, the store undoes it, and start-up removes the chunks.
+            self.msg_id = None
+            self._reset_message()
+            raise
         self.msg_id = None  # queued: nothing to abandon any more
         self._reset_message()
         if not recipients:
