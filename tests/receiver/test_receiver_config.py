@@ -87,9 +87,12 @@ def test_processes_is_checked_and_defaults_to_the_core(
         ('postmaster = "a@"', "receiver.postmaster"),
         ("max_errors = 1", None),
         ("max_errors = 0", "receiver.max_errors"),
+        # RFC 1870 section 4: "SIZE 0" in EHLO means no limit, the opposite of 0 here.
+        ('max_message_size = "1KiB"', None),
+        ("max_message_size = 0", "receiver.max_message_size"),
     ],
 )
-def test_postmaster_and_max_errors_are_checked(
+def test_postmaster_max_errors_and_max_message_size_are_checked(
     tmp_path: Path, line: str, problem: str | None
 ) -> None:
     defaults = load_config(None).receiver

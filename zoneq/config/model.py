@@ -385,8 +385,9 @@ class ReceiverConfig(_Section):
     listen: ListenAddress = "127.0.0.1:2525"
     """Address and port the SMTP receiver listens on."""
 
-    max_message_size: ByteSize = ByteSize(50 << 20)
-    """Largest message accepted (announced as SIZE, RFC 1870); larger ones get 552 5.3.4."""
+    max_message_size: Annotated[ByteSize, Field(gt=0)] = ByteSize(50 << 20)
+    """Largest message accepted (announced as SIZE, RFC 1870); larger ones get 552 5.3.4.
+    Not 0: "SIZE 0" in EHLO would tell clients there is no limit (RFC 1870 section 4)."""
 
     max_recipients: Annotated[int, Field(ge=1, le=100_000)] = 1000
     """Recipients per message; more are answered 452 4.5.3 (RFC 5321 4.5.3.1.10)."""
