@@ -166,11 +166,7 @@ class Link(asyncio.Protocol):
         """Drop the bytes held unread (pipelined after STARTTLS); returns how many.  The
         TLS upgrade that follows resumes the transport (``_take_all`` says why the pause
         is forgotten here)."""
-        dropped = self._held_size
-        self._held.clear()
-        self._held_size = 0
-        self._reading_paused = False
-        return dropped
+        return len(self._take_all())
 
     # --- writing -----------------------------------------------------------------------
 

@@ -287,7 +287,7 @@ class SmtpReceiver:
             # The first await of the connection; what was read before it is the ClientHello
             # (tls.py), which Link.start_tls hands to the TLS layer.
             timeout = self.handshake_timeout_s
-            version = await accept_tls(link, context, timeout_s=timeout, peer=link.peer_ip())
+            version = await accept_tls(link, context, timeout_s=timeout, peer=ip)
         except asyncio.CancelledError:
             version = None  # close() during the handshake
         finally:

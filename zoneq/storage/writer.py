@@ -101,7 +101,7 @@ class _Lander:
 
     def land(self, group: _Group, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
         """Write ``group`` on the thread; the future resolves (or fails) once it has."""
-        if self._thread is None or not self._thread.is_alive():
+        if self._thread is None:  # the thread never dies of a write: _run catches all
             self._thread = threading.Thread(target=self._run, name="zoneq-writer", daemon=True)
             self._thread.start()
         future: asyncio.Future[None] = loop.create_future()
