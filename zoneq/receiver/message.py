@@ -8,9 +8,11 @@ Pure: no I/O, no clock (the caller passes the time).
 * ``HeaderScan`` reads the header section at the start of the message text (the first
   stored chunk): the number of ``Received:`` fields, for loop detection (RFC 5321 section
   6.3), Message-ID, Subject and From, for people browsing the queue, and every field for
-  the ``message:headers`` hook and the routing header (``hooks.py``).  Only what is in
-  that chunk is seen: a header section longer than a chunk is cut there, which loses at
-  most the browsing headers and a loop count past 50 fields of ~1.3 KiB each.
+  the ``message:headers`` hook and the routing header (``hooks.py``).  Those come from
+  that chunk only: a header section longer than a chunk loses the ones past it.  The
+  Received count does not stop there: ``HeaderScan.more`` goes on counting in the chunks
+  that follow until the section ends, so a loop whose trace fields are long (51 of them
+  fill a 64 KiB chunk at ~1.3 KiB each) is still caught.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ reading, Postfix uses 50 by default with hopcount_limit); zoneq follows Postfix.
 _FOLD_WIDTH: Final = 78
 _BROWSED: Final = {"message-id": "Message-ID", "subject": "Subject", "from": "From"}
 _MAX_VALUE: Final = 998  # RFC 5322 section 2.1.1: what one line may hold
+_MAX_CARRY: Final = 1000  # RFC 5321 section 4.5.3.1.6: a text line, CRLF included
 
 
 # The Received field is built for every message, mostly from the same few values (one
@@ -138,6 +141,34 @@ class HeaderScan:
     raw: list[bytes] = field(default_factory=list)
     """Every field in the section, unfolded, undecoded: decoded by ``fields`` only when a
     plugin or the routing header needs them, not for every message."""
+    carry: bytes | None = None
+    """While the section goes on past the text scanned so far: the start of its last,
+    unfinished line (a line is at most 1,000 octets, RFC 5321 4.5.3.1.6, which the
+    receiver enforces); ``None`` once the section has ended."""
+
+    def more(self, text: bytes) -> None:
+        """Count the Received fields in ``text``, the next piece of the message, while the
+        header section goes on.  The section ends at the empty line, or at a line that is
+        neither a field nor a fold of one (the body of a message with no empty line)."""
+        carry = self.carry
+        if carry is None:
+            return
+        text = carry + text
+        end = text.rfind(b"\r\n")
+        if end < 0:
+            # No line ends here: a line past the receiver's limit is not a header section.
+            self.carry = text if len(text) <= _MAX_CARRY else None
+            return
+        self.carry = text[end + 2 :]
+        for line in text[:end].split(b"\r\n"):
+            if line[:1] in (b" ", b"\t"):
+                continue  # a fold of the field before (RFC 5322 section 2.2.3)
+            name, colon, _ = line.partition(b":")
+            if not colon:
+                self.carry = None  # the empty line, or the body began
+                return
+            if name.rstrip(b" \t").lower() == b"received":
+                self.received += 1
 
     def fields(self) -> tuple[tuple[str, str], ...]:
         """(name, value) pairs in message order, values unfolded and stripped (the shape
@@ -159,14 +190,16 @@ def scan_headers(text: bytes) -> HeaderScan:
     """Read the header section at the start of ``text`` (up to the first empty line, or
     the last complete line of ``text`` when the section goes on past it)."""
     end = text.find(b"\r\n\r\n")
+    carry: bytes | None = None
     if end >= 0:
         section = text[: end + 2]
     elif text.startswith(b"\r\n"):
         section = b""  # no header section at all
     else:
-        section = text[: text.rfind(b"\r\n") + 2] if b"\r\n" in text else b""
+        cut = text.rfind(b"\r\n") + 2 if b"\r\n" in text else 0
+        section, carry = text[:cut], text[cut:]
     fields: list[bytes] = []
-    scan = HeaderScan(raw=fields)
+    scan = HeaderScan(raw=fields, carry=carry)
     for line in section.split(b"\r\n")[:-1]:
         if line[:1] in (b" ", b"\t") and fields:
             fields[-1] += b" " + line.strip(b" \t")  # unfold (RFC 5322 section 2.2.3)
@@ -175,6 +208,7 @@ def scan_headers(text: bytes) -> HeaderScan:
     for raw in fields:
         name, colon, value = raw.partition(b":")
         if not colon:
+            scan.carry = None  # not a field: the body began (``more`` has nothing to read)
             continue
         key = name.strip(b" \t").decode("ascii", "replace").lower()
         if key == "received":

@@ -40,8 +40,8 @@ Choices:
 * Each request (a command, or the text after 354) must complete within the idle timeout,
   which message text extends at ``min_data_rate`` (``deadline.py``): a client that
   trickles a byte at a time is cut off with 421 4.4.2 all the same.
-* Loops: more than ``MAX_RECEIVED`` Received fields in the first chunk is 554 5.4.6 at the
-  final dot (RFC 3463 section 3.5, "routing loop detected").
+* Loops: more than ``MAX_RECEIVED`` Received fields in the header section is 554 5.4.6 at
+  the final dot (RFC 3463 section 3.5, "routing loop detected").
 * Routing and the receive-time plugin hooks (``smtp:auth``, ``smtp:mail_from``,
   ``smtp:rcpt_to``, ``queue:route``, ``message:headers``) are asked through ``hooks.py``;
   a plugin's reply refuses the command, a failing plugin gives 451 4.3.0.  A recipient a
@@ -688,8 +688,10 @@ class _Session:
             del self.buffer[:step]
             if self.index == 0:
                 self._scan(piece)
-                if self.fault is not None:
-                    break
+            else:
+                self._scan_more(piece)
+            if self.fault is not None:
+                break
             try:
                 await self.sink.write_chunk(self.msg_id, self.index, piece)
             except CoreUnreachable:
@@ -705,7 +707,17 @@ class _Session:
             self.buffer.clear()
 
     def _scan(self, first: bytes) -> None:
-        scan = self.scan = scan_headers(first[self.header_len :])
+        self.scan = scan_headers(first[self.header_len :])
+        self._check_loop()
+
+    def _scan_more(self, piece: bytes) -> None:
+        """A header section longer than the first chunk: its Received fields count too."""
+        if self.scan.carry is not None:
+            self.scan.more(piece)
+            self._check_loop()
+
+    def _check_loop(self) -> None:
+        scan = self.scan
         if scan.received > MAX_RECEIVED:
             log.warning("message from %s: %d Received fields, a loop", self.ip, scan.received)
             self.fault = MAIL_LOOP
@@ -716,8 +728,11 @@ class _Session:
             await self._end_transaction()  # the machine answered already
             return []
         tail: bytes | None = bytes(self.buffer) if self.buffer else None
-        if self.index == 0 and tail is not None and self.fault is None:
-            self._scan(tail)
+        if tail is not None and self.fault is None:
+            if self.index == 0:
+                self._scan(tail)
+            else:
+                self._scan_more(tail)
         if self.fault is not None:
             fault = self.fault
             await self._end_transaction()
