@@ -354,3 +354,29 @@ def test_a_large_declared_size_is_checked_at_mail_not_served_a_spare(tmp_path: P
             assert await client.begin(T0, 0) > 0  # a small message still gets a spare
 
     run(body())
+
+
+def test_a_commit_with_a_list_of_long_recipients_is_not_refused_for_its_size(
+    tmp_path: Path,
+) -> None:
+    # A bulk list at a raised receiver.max_recipients with long paths and ORCPTs (each
+    # RCPT line up to 512 octets) makes a COMMIT frame far past a worker frame's 16 MiB.
+    rcpts = [
+        ReceivedRecipient(
+            f"u{i:05d}{'x' * 180}@d{i % 100}.test",
+            "default",
+            ("SUCCESS", "FAILURE"),
+            f"rfc822;u{i:05d}{'x' * 180}@d{i % 100}.test",
+        )
+        for i in range(40_000)
+    ]
+    text = b"Subject: list\r\n\r\nhello\r\n"
+
+    async def body() -> None:
+        async with intake(tmp_path) as (store, _, connect):
+            client = await connect("receiver-0")
+            msg_id = await client.begin(T0, len(text))
+            await client.commit(message(msg_id, text, 1), rcpts, T0, tail=text)
+            assert len(store.recipients(msg_id)) == len(rcpts)
+
+    run(body())

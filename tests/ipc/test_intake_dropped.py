@@ -91,9 +91,9 @@ def test_the_usual_commit_frame_is_unchanged_and_drops_add_a_fifth_field(
             frames: list[object] = []
             real = intake_client.encode_frame
 
-            def spy(obj: object) -> bytes:
+            def spy(obj: object, *, max_frame: int) -> bytes:
                 frames.append(obj)
-                return real(obj)
+                return real(obj, max_frame=max_frame)
 
             monkeypatch.setattr(intake_client, "encode_frame", spy)
             client = await connect("r0")

@@ -40,6 +40,7 @@ from zoneq.errors import ProtocolError
 from zoneq.ipc.batching import FrameBatcher
 from zoneq.ipc.framing import FrameDecoder, encode_frame
 from zoneq.ipc.intake_messages import (
+    INTAKE_MAX_FRAME,
     CoreUnreachable,
     DroppedRecipient,
     Op,
@@ -183,17 +184,18 @@ class IntakeClient:
         if self.lost.is_set():
             raise CoreUnreachable("the core's socket is closed")
         rid = next(self._ids)
-        frame = encode_frame([op, rid, *args])  # ValueError (too large) before it is pending
+        # ValueError (too large) before it is pending.
+        frame = encode_frame([op, rid, *args], max_frame=INTAKE_MAX_FRAME)
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
         self._out.write(frame)
         return future
 
     def _send(self, frame: list[object]) -> None:
-        self._out.write(encode_frame(frame))
+        self._out.write(encode_frame(frame, max_frame=INTAKE_MAX_FRAME))
 
     async def _read_replies(self) -> None:
-        decoder = FrameDecoder()
+        decoder = FrameDecoder(INTAKE_MAX_FRAME)
         why = "the core closed the socket"
         try:
             while data := await self._reader.read(_READ_SIZE):

@@ -45,6 +45,7 @@ from typing import Final, Protocol
 from zoneq.errors import InsufficientStorage, ProtocolError, TemporaryFailure, ZoneqError
 
 __all__ = [
+    "INTAKE_MAX_FRAME",
     "ConnectionCounts",
     "CoreUnreachable",
     "DroppedRecipient",
@@ -62,6 +63,16 @@ __all__ = [
     "error_from_reply",
     "status_of",
 ]
+
+
+INTAKE_MAX_FRAME: Final = 128 * 1024 * 1024
+"""The largest frame on the intake socket, both ways.
+
+A COMMIT carries the whole recipient list, and ``receiver.max_recipients`` goes up to
+100,000: at up to 512 octets of RCPT line each (RFC 5321 section 4.5.3.1.4, path and
+ORCPT together) plus the zone and NOTIFY, a bulk list can pack to ~60 MiB, past the 16 MiB
+a worker's frames are held to.  Refused for size, such a message could only ever get 451.
+Both ends are zoneq's own processes, and the receiver holds the list in memory already."""
 
 
 class CoreUnreachable(TemporaryFailure):

@@ -38,6 +38,7 @@ from zoneq.errors import ProtocolError, ZoneqError
 from zoneq.ipc.batching import FrameBatcher
 from zoneq.ipc.framing import FrameDecoder, encode_frame
 from zoneq.ipc.intake_messages import (
+    INTAKE_MAX_FRAME,
     MessageSink,
     Op,
     Status,
@@ -103,7 +104,7 @@ class IntakeServer:
         self, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         child = _Child(name, FrameBatcher(writer), writer)
-        decoder = FrameDecoder()
+        decoder = FrameDecoder(INTAKE_MAX_FRAME)
         try:
             while data := await reader.read(_READ_SIZE):
                 for frame in decoder.feed(data):
@@ -216,7 +217,7 @@ class IntakeServer:
 
     def _reply(self, child: _Child, reply: list[object]) -> None:
         if not child.gone:
-            child.out.write(encode_frame(reply))
+            child.out.write(encode_frame(reply, max_frame=INTAKE_MAX_FRAME))
 
     async def _end(self, child: _Child) -> None:
         child.gone = True
