@@ -9,10 +9,10 @@ queue store itself when the receiver runs in the core, the core over a socket wh
 in receiver processes (``receiver.processes``; ``process.py``).  Each session
 (``session.py``) is one task running a simple loop: read some bytes, feed them to the
 machine, act on every event that comes back (deciding the ones that wait for a decision,
-storing body chunks), write the replies, read again.  The task awaits each decision and each chunk write before it reads
-more, so a client that sends faster than the queue writes is held back by TCP (the machine
-documents that the driver should stop reading while a decision is pending); other sessions
-are separate tasks and go on.
+storing body chunks), write the replies, read again.  The task awaits each decision and
+each chunk write before it reads more, so a client that sends faster than the queue
+writes is held back by TCP (the machine documents that the driver should stop reading
+while a decision is pending); other sessions are separate tasks and go on.
 
 A message's life in a session: ``sink.begin`` at MAIL (452/451 if the queue refuses), a
 ``Received:`` field first in the text at DATA, chunks of ``storage.chunk_size`` written as
