@@ -146,10 +146,13 @@ PATHS: Final[dict[str, dict[str, Any]]] = {
     },
     "/api/v1/messages/raw": {
         "post": _submit_op(
-            "Upload an RFC 5322 message, streamed; envelope from the query or the headers",
+            "Upload an RFC 5322 message, streamed; envelope from the query or the headers."
+            " Line ends (CRLF, LF or CR) are stored as CRLF; NUL is refused",
             {"message/rfc822": {"schema": {"type": "string", "format": "binary"}}},
-            _param("from", "query", 'envelope sender ("" for <>)'),
-            _param("to", "query", "envelope recipient, repeatable; none: from the headers"),
+            _param("from", "query", 'envelope sender; "" for <>; absent: Sender, else From'),
+            _param(
+                "to", "query", "envelope recipient, repeatable; none: To, Cc, Bcc (Bcc removed)"
+            ),
         )
     },
     "/api/v1/messages/{id}": {

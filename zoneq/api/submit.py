@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterable, AsyncIterator
 
-from aiohttp import web
+from aiohttp import ClientPayloadError, web
 
 from zoneq.api.context import context
 from zoneq.api.errors import RETRY_AFTER_S, error_response, parse_body
@@ -63,12 +63,18 @@ async def _queue(
     size_hint: int,
     *,
     sender: str | None = None,
+    recipients: tuple[str, ...] = (),
 ) -> web.Response:
     """Hand the message to the intake; the answer for what became of it."""
     intake = context(request).intake
     try:
         receipt = await intake.receive(
-            body, envelope, source=_source(request, how), size_hint=size_hint, sender=sender
+            body,
+            envelope,
+            source=_source(request, how),
+            size_hint=size_hint,
+            sender=sender,
+            recipients=recipients,
         )
     except Refused as exc:
         if exc.transient:
@@ -95,12 +101,20 @@ async def submit_json(request: web.Request) -> web.Response:
 
 
 async def submit_raw(request: web.Request) -> web.Response:
-    """``POST /api/v1/messages/raw?from=a@x&to=b@y&to=c@z``; without ``to``, the envelope
-    come from the header fields (``sendmail -t``, Bcc removed), and ``from`` alone only
-    overrides the sender (``sendmail -t -f``; ``from=`` for the null reverse-path)."""
+    """``POST /api/v1/messages/raw?from=a@x&to=b@y&to=c@z``.  Without ``to`` the recipients
+    come from the header fields (``sendmail -t``: To, Cc, Bcc; the Bcc field removed);
+    without ``from`` the sender does (Sender, else From); ``from=`` (empty) is the null
+    reverse-path ``<>``.  Line ends are stored as CRLF, whatever the upload used."""
     recipients = tuple(request.query.getall("to", []))
     sender = request.query.get("from")
-    envelope = Envelope(sender or "", recipients) if recipients else None
     body = request.content.iter_chunked(READ_SIZE)
     size = request.content_length or 0
-    return await _queue(request, body, envelope, "http-raw", size, sender=sender)
+    try:
+        return await _queue(
+            request, body, None, "http-raw", size, sender=sender, recipients=recipients
+        )
+    except (ClientPayloadError, ConnectionResetError) as exc:
+        # The client went away mid-upload: its doing, not a fault of ours, and nothing was
+        # stored (the intake abandoned the message).  The 400 is for the access log only.
+        log.info("%s %s: upload cut off, nothing stored: %r", request.method, request.path, exc)
+        return error_response(400, "the upload was cut off before its end: nothing stored")

@@ -7,10 +7,20 @@ then one ``store.commit`` with the last partial chunk as its tail.  Only when th
 returned (the batch is synced) is the message queued; anything else abandons it, removing
 every chunk written, so a failed submission leaves nothing behind.
 
-The envelope is given by the caller, or taken from the header section (the first chunk):
-the first ``Sender``/``From`` address and every ``To``, ``Cc`` and ``Bcc`` address, like
-``sendmail -t``.  A ``Bcc`` field is then removed from the stored text, since showing it to
-the other recipients would disclose them (RFC 5322 section 3.6.3).
+Line ends are made CRLF as the text arrives (``zoneq.queue.rawtext``: bare CR and LF
+included, and a last line end added), so the stored text is what goes on the wire and its
+size is exact; NUL is refused.  The header section is buffered until it ends (up to 1 MiB,
+found by the ``email`` parser's own rule, so a message without an empty line, or one whose
+section spans chunks, is read whole) and stored on top with the Date and Message-ID it
+lacks.
+
+The envelope is given by the caller, or what is missing of it taken from that section: the
+first ``Sender``/``From`` address as the sender, and every ``To``, ``Cc`` and ``Bcc``
+address as recipients, like ``sendmail -t``.  When the recipients come from there, the
+``Bcc`` field is removed from the stored text, since showing it to the other recipients
+would disclose them (RFC 5322 section 3.6.3).  Addresses are checked as RFC 5321 has them
+(``check_address``), and a recipient with the percent hack is refused, as the SMTP
+receiver refuses it at RCPT from every client.
 
 Routing is the receiver's (issue 5): the rules with the envelope sender and the client's
 address, and the routing header (``routing.zone_header``) honoured, since an API client
@@ -27,11 +37,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import re
 from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email import policy
+from email.errors import HeaderParseError
 from email.message import Message
 from email.parser import BytesHeaderParser
 from email.utils import format_datetime, getaddresses, make_msgid
@@ -40,7 +52,9 @@ from typing import Final
 from zoneq.config import Config
 from zoneq.errors import ZoneqError
 from zoneq.plugin import Drop, PluginHost
+from zoneq.protocol.relay_addresses import is_percent_hack
 from zoneq.protocol.replies import Reply
+from zoneq.queue.rawtext import CrlfLines, HeaderSection, SectionTooLong
 from zoneq.queue.routing import Route, Router
 from zoneq.storage.records import MessageMeta, NewRecipient
 from zoneq.storage.store import DroppedRecipient, QueueStore
@@ -55,12 +69,22 @@ __all__ = [
     "TooLarge",
     "Unacceptable",
     "check_address",
+    "check_recipient",
 ]
 
 # RFC 5321 section 4.5.3.1: local part 64 octets, domain 255, a path 256 with its brackets.
 _MAX_LOCAL: Final = 64
 _MAX_DOMAIN: Final = 255
 _MAX_ADDRESS: Final = 254
+_MAX_LABEL: Final = 63  # RFC 1035 section 2.3.4
+# RFC 5321 section 4.1.2 Dot-string: atext (RFC 5322 3.2.3) and dots; RFC 6531 section 3.3
+# adds any non-ASCII character (SMTPUTF8).
+_DOT_STRING: Final = re.compile(r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~.\-\u0080-\U0010ffff]+")
+# A sub-domain's letters, digits and hyphens (RFC 5321 4.1.2), a U-label's non-ASCII
+# (RFC 6531 3.3), and "_", which real names carry though the grammar has no room for it.
+_DOMAIN_LABEL: Final = re.compile(r"[A-Za-z0-9_\-\u0080-\U0010ffff]+")
+_LDH_LABEL: Final = re.compile(r"[A-Za-z0-9-]+")
+_DCONTENT: Final = re.compile(r"[\x21-\x5a\x5e-\x7e]+")  # RFC 5321 4.1.3
 _BROWSED: Final = ("Message-ID", "Subject", "From")
 _MAX_BROWSED_VALUE: Final = 998  # RFC 5322 section 2.1.1: what one line may hold
 _BCC_FIELD: Final = re.compile(rb"^bcc[ \t]*:", re.IGNORECASE)
@@ -101,12 +125,51 @@ class Refused(ZoneqError):
         return any(r.reply.is_transient for r in self.refusals)
 
 
+def _literal_problem(literal: str) -> str | None:
+    """What is wrong with an address literal, ``[`` included (RFC 5321 section 4.1.3:
+    IPv4, ``IPv6:`` and an IPv6 address, or a tag, a colon and dcontent), or None."""
+    inner = literal[1:-1] if literal.endswith("]") else ""
+    if not inner:
+        return "an address literal needs its closing ]"
+    tag, colon, value = inner.partition(":")
+    try:
+        if not colon:
+            ipaddress.IPv4Address(inner)
+        elif tag.lower() == "ipv6":
+            ipaddress.IPv6Address(value)
+        elif not (_LDH_LABEL.fullmatch(tag) and _DCONTENT.fullmatch(value)):
+            return "not an address literal"
+    except ValueError:
+        return "not an IP address literal"
+    return None
+
+
+def _domain_problem(domain: str) -> str | None:
+    """What is wrong with ``domain`` as RFC 5321 section 4.1.2 has it, or None."""
+    if domain.startswith("["):
+        return _literal_problem(domain)
+    for label in domain.split("."):
+        if not label:
+            return "empty domain label (a dot at either end, or two in a row)"
+        if len(label.encode()) > _MAX_LABEL:
+            return f"domain label longer than {_MAX_LABEL} octets (RFC 1035 2.3.4)"
+        if not _DOMAIN_LABEL.fullmatch(label):
+            return f"{label!r} is not a domain label"
+    return None
+
+
 def check_address(address: str, *, what: str = "address") -> str:
-    """An envelope address as RFC 5321 allows it (``local@domain``), or ``Unacceptable``.
+    """An envelope address as RFC 5321 section 4.1.2 allows it (``local@domain``, the
+    domain a name or an address literal), within the octet limits of section 4.5.3.1, or
+    ``Unacceptable``.
 
     Whitespace, control characters and angle brackets are refused outright: in an envelope
-    they could only be an attempt to smuggle a second command or header."""
-    if not address or len(address) > _MAX_ADDRESS:
+    they could only be an attempt to smuggle a second command or header.  A local part is
+    a dot-string or a quoted string (so a second unquoted ``@`` is refused: ``a@b@c`` is
+    no mailbox); finer rules (dots in a row) are left to the domain that owns it, as the
+    SMTP receiver leaves them."""
+    octets = len(address.encode())
+    if not address or octets > _MAX_ADDRESS:
         raise Unacceptable(f"{what} {address!r}: empty or longer than {_MAX_ADDRESS} octets")
     if any(c.isspace() or ord(c) < 32 or ord(c) == 127 or c in "<>,;" for c in address):
         raise Unacceptable(f"{what} {address!r}: whitespace, control or <>,; characters")
@@ -115,6 +178,21 @@ def check_address(address: str, *, what: str = "address") -> str:
         raise Unacceptable(f"{what} {address!r}: expected local-part@domain")
     if len(local.encode()) > _MAX_LOCAL or len(domain.encode()) > _MAX_DOMAIN:
         raise Unacceptable(f"{what} {address!r}: local part or domain too long (RFC 5321)")
+    quoted = len(local) >= 2 and local[0] == local[-1] == '"'
+    if not quoted and not _DOT_STRING.fullmatch(local):
+        raise Unacceptable(f"{what} {address!r}: the local part is not a dot-string (RFC 5321)")
+    problem = _domain_problem(domain)
+    if problem is not None:
+        raise Unacceptable(f"{what} {address!r}: {problem}")
+    return address
+
+
+def check_recipient(address: str) -> str:
+    """``check_address``, and the relay rule the SMTP receiver applies at RCPT to every
+    client, trusted or not: no percent hack (``zoneq.protocol.relay_addresses``)."""
+    check_address(address, what="recipient")
+    if is_percent_hack(address):
+        raise Unacceptable(f"recipient {address!r}: percent-hack addresses are not accepted")
     return address
 
 
@@ -131,7 +209,7 @@ class Envelope:
         if not self.recipients:
             raise Unacceptable("no recipients")
         for rcpt in self.recipients:
-            check_address(rcpt, what="recipient")
+            check_recipient(rcpt)
         return self
 
 
@@ -158,19 +236,22 @@ class _Routed:
 
 @dataclass(slots=True)
 class _Header:
-    """The header section of the first chunk, as parsed and as it will be stored."""
+    """The header section, as parsed and as it will be stored."""
 
     fields: Message
-    text: bytes  # the first chunk, possibly without its Bcc field
+    text: bytes  # fields added + the section (without Bcc, if asked) + what followed it
     browse: dict[str, str] = field(default_factory=dict)
 
 
-def _header_end(data: bytes) -> int:
-    """Where the header section of ``data`` ends (after the empty line), or -1."""
-    ends = [i + len(sep) for sep in (b"\r\n\r\n", b"\n\n") if (i := data.find(sep)) >= 0]
-    if data.startswith((b"\r\n", b"\n")):
-        return 0
-    return min(ends) if ends else -1
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    """A body streamed into the store: all but its ``tail`` (the commit writes that)."""
+
+    header: _Header
+    size: int
+    chunks: int
+    eight_bit: bool
+    tail: bytes | None
 
 
 def _without_bcc(section: bytes) -> bytes:
@@ -186,51 +267,76 @@ def _without_bcc(section: bytes) -> bytes:
     return b"".join(kept)
 
 
-def _read_header(first: bytes, *, strip_bcc: bool, now_ms: int, hostname: str) -> _Header:
-    end = _header_end(first)
-    section = first if end < 0 else first[:end]
+def _read_header(found: HeaderSection, *, strip_bcc: bool, now_ms: int, hostname: str) -> _Header:
+    section = found.section
     fields = BytesHeaderParser(policy=policy.default).parsebytes(section)
-    text = first
-    if strip_bcc and end >= 0:
-        text = _without_bcc(first[:end]) + first[end:]
+    if strip_bcc:
+        section = _without_bcc(section)
     # RFC 5322 section 3.6 requires a Date and asks for a Message-ID; RFC 6409 section 8.2
     # and 8.3 let a submission server add them (Postfix's cleanup does the same).  Added on
-    # top of the header section, so they never land in a later chunk.
+    # top of the header section, so they never land in the body.
     missing = b""
-    if fields.get("Date") is None:
+    if "Date" not in fields:
         date = format_datetime(datetime.fromtimestamp(now_ms / 1000, tz=UTC))
         missing += f"Date: {date}\r\n".encode()
         fields["Date"] = date
-    if fields.get("Message-ID") is None:
+    if "Message-ID" not in fields:
         message_id = make_msgid(domain=hostname)
         missing += f"Message-ID: {message_id}\r\n".encode()
         fields["Message-ID"] = message_id
     browse = {}
     for name in _BROWSED:
+        if (value := _browse_value(fields, name)) is not None:
+            browse[name] = value[:_MAX_BROWSED_VALUE]
+    return _Header(fields, missing + section + found.rest, browse)
+
+
+def _raw_values(fields: Message, name: str) -> list[str]:
+    """Every ``name`` field's value as it was sent (folds kept, encoded-words not decoded)."""
+    wanted = name.lower()
+    values = [str(value) for key, value in fields.raw_items() if key.lower() == wanted]
+    try:
+        # The parser kept non-ASCII octets as surrogates; RFC 6532 says they are UTF-8.
+        return [v.encode("utf-8", "surrogateescape").decode("utf-8") for v in values]
+    except UnicodeDecodeError:
+        raise Unacceptable(f"the {name} field is not UTF-8 (RFC 6532 section 3.2)") from None
+
+
+def _browse_value(fields: Message, name: str) -> str | None:
+    """The first ``name`` field, decoded; as sent when the stdlib's structured parser
+    cannot read it (an unclosed ``[`` in an address field fails in it with
+    ``HeaderParseError`` or, inside its own error handling, ``AttributeError``)."""
+    try:
         value = fields.get(name)
-        if value is not None:
-            browse[name] = str(value)[:_MAX_BROWSED_VALUE]
-    return _Header(fields, missing + text, browse)
+    except (HeaderParseError, ValueError, IndexError, AttributeError):
+        value = next(iter(_raw_values(fields, name)), None)
+    return None if value is None else str(value)
 
 
 def _addresses(fields: Message, names: Iterable[str]) -> list[str]:
-    values = [str(v) for name in names for v in fields.get_all(name, [])]
+    """The addresses in the fields ``names``, read from the text as sent by the lenient
+    RFC 5322 parser ``getaddresses`` (the one the JSON path uses), not from the values the
+    structured parser decoded: an encoded-word cannot turn into an address here."""
+    values = [value for name in names for value in _raw_values(fields, name)]
     return [addr for _, addr in getaddresses(values) if addr]
 
 
-def envelope_from_headers(fields: Message, sender: str | None = None) -> Envelope:
-    """``sendmail -t``: recipients from To, Cc and Bcc; the sender from Sender or From,
-    unless ``sender`` is given (``sendmail -t -f``; "" for the null reverse-path)."""
+def envelope_from_headers(
+    fields: Message, sender: str | None = None, recipients: Sequence[str] = ()
+) -> Envelope:
+    """``sendmail -t``: recipients from To, Cc and Bcc; the sender from Sender or From.
+    ``sender`` given is the envelope sender instead (``sendmail -t -f``; "" for the null
+    reverse-path), and so are ``recipients`` given (``sendmail -f``-less with addresses)."""
     if sender is not None:
         senders = [sender]
     else:
         senders = _addresses(fields, ["Sender"]) or _addresses(fields, ["From"])
     if not senders:
         raise Unacceptable("no envelope sender given and no From or Sender field to take it from")
-    recipients = tuple(dict.fromkeys(_addresses(fields, ["To", "Cc", "Bcc"])))
-    if not recipients:
+    wanted = recipients or _addresses(fields, ["To", "Cc", "Bcc"])
+    if not wanted:
         raise Unacceptable("no recipients given and no To, Cc or Bcc field to take them from")
-    return Envelope(senders[0], recipients).checked()
+    return Envelope(senders[0], tuple(dict.fromkeys(wanted))).checked()
 
 
 class Intake:
@@ -259,9 +365,11 @@ class Intake:
         source: dict[str, str],
         size_hint: int = 0,
         sender: str | None = None,
+        recipients: Sequence[str] = (),
     ) -> Receipt:
-        """Store ``body`` and queue it for ``envelope`` (None: from the headers, with
-        ``sender`` as the envelope sender if given).
+        """Store ``body`` and queue it for ``envelope``; when that is None, for
+        ``recipients`` (none: To, Cc and Bcc, the Bcc field then removed) from ``sender``
+        (None: Sender or From; "" the null reverse-path).
 
         Raises ``Unacceptable``, ``TooLarge`` or ``Refused`` (the client's, or a plugin's
         verdict on it) or a ``TemporaryFailure`` (ours, ``PluginFailure`` included: try
@@ -269,20 +377,38 @@ class Intake:
         """
         if envelope is not None:
             envelope.checked()
-        elif sender:
-            check_address(sender, what="sender")
+        else:
+            if sender:
+                check_address(sender, what="sender")
+            for rcpt in recipients:
+                check_recipient(rcpt)
         if size_hint > self.max_size:
             raise TooLarge(f"message of {size_hint} octets is over {self.max_size}")
         now = self.clock()
         msg_id = self.store.begin(now, size_hint=size_hint)
         landing: asyncio.Future[None] | None = None
         try:
-            meta, envelope, fields, tail = await self._stream(
-                msg_id, now, body, envelope, source, sender=sender
+            text = await self._stream(
+                msg_id, now, body, strip_bcc=envelope is None and not recipients
+            )
+            fields = text.header.fields
+            if envelope is None:
+                envelope = envelope_from_headers(fields, sender, recipients)
+            meta = MessageMeta(
+                msg_id=msg_id,
+                sender=envelope.sender,
+                size=text.size,
+                chunks=text.chunks,
+                received_ms=now,
+                # RFC 6531: a non-ASCII address needs SMTPUTF8; RFC 6152: 8-bit, 8BITMIME.
+                smtputf8=not all(a.isascii() for a in (envelope.sender, *envelope.recipients)),
+                body_8bit=text.eight_bit,
+                headers=text.header.browse,
+                source=source,
             )
             routed = await self._route(envelope, fields, source)
             landing = self.store.commit(
-                meta, routed.queued, self.clock(), tail=tail, dropped=routed.dropped
+                meta, routed.queued, self.clock(), tail=text.tail, dropped=routed.dropped
             )
             await asyncio.shield(landing)
         except BaseException:
@@ -327,65 +453,68 @@ class Intake:
             raise Refused(routed.refused)
         return routed
 
-    def _read_header(self, first: bytes, envelope: Envelope | None, now: int) -> _Header:
-        hostname = self.config.server.resolved_hostname()
-        return _read_header(first, strip_bcc=envelope is None, now_ms=now, hostname=hostname)
-
     async def _stream(
-        self,
-        msg_id: int,
-        now: int,
-        body: AsyncIterable[bytes],
-        envelope: Envelope | None,
-        source: dict[str, str],
-        *,
-        sender: str | None,
-    ) -> tuple[MessageMeta, Envelope, Message, bytes | None]:
-        """Write the body's full chunks; the commit's metadata, the envelope, the header
-        fields and the tail."""
+        self, msg_id: int, now: int, body: AsyncIterable[bytes], *, strip_bcc: bool
+    ) -> _Stored:
+        """Write the body's full chunks, its line ends made CRLF (``zoneq.queue.rawtext``):
+        the header section buffered until it ends, then each ``chunk_size`` of text as it
+        fills.  What was stored, but the last partial chunk: that is the commit's tail."""
         step = self.store.chunk_size
-        buffer = bytearray()
+        lines = CrlfLines()
+        found: HeaderSection | None = HeaderSection()
         header: _Header | None = None
-        index = received = stored = 0
+        buffer = bytearray()
+        taken = 0  # the client's text after CRLF, held against the size limit
+        stored = index = 0  # octets stored (the fields we add included), chunks written
         eight_bit = False
-        async for data in body:
-            received += len(data)
-            if received > self.max_size:
-                raise TooLarge(f"message is over {self.max_size} octets")
-            if data.find(b"\x00") >= 0:  # one C-speed scan per chunk, as it arrives
+        pieces = aiter(body)
+        ended = False
+        while not ended:
+            data = await anext(pieces, None)
+            ended = data is None
+            if data is None:
+                text = lines.end()
+            elif data.find(b"\x00") >= 0:  # one C-speed scan per piece, as it arrives
                 raise Unacceptable(NUL_REFUSED)
-            buffer += data
+            else:
+                text = lines.feed(data)
+            taken += len(text)
+            if taken > self.max_size:
+                raise TooLarge(f"message is over {self.max_size} octets")
+            if found is not None:
+                if not self._section_ended(found, text, ended=ended):
+                    continue
+                header = self._read_header(found, now, strip_bcc=strip_bcc)
+                text, found = header.text, None
+            buffer += text
             while len(buffer) >= step:
                 piece = bytes(buffer[:step])
                 del buffer[:step]
-                if header is None:
-                    header = self._read_header(piece, envelope, now)
-                    piece = header.text
                 eight_bit = eight_bit or not piece.isascii()
                 await self.store.write_chunk(msg_id, index, piece)
                 stored += len(piece)
                 index += 1
-        tail: bytes | None = bytes(buffer) if buffer else None
-        if header is None:
-            if tail is None:
-                raise Unacceptable("empty message")
-            header = self._read_header(tail, envelope, now)
-            tail = header.text
+        assert header is not None  # the loop ends only after the section has
+        tail = bytes(buffer) if buffer else None
         if tail is not None:
             eight_bit = eight_bit or not tail.isascii()
             stored += len(tail)
-        if envelope is None:
-            envelope = envelope_from_headers(header.fields, sender)
-        meta = MessageMeta(
-            msg_id=msg_id,
-            sender=envelope.sender,
-            size=stored,
-            chunks=index + (1 if tail is not None else 0),
-            received_ms=now,
-            # RFC 6531: a non-ASCII address needs SMTPUTF8; RFC 6152: 8-bit text 8BITMIME.
-            smtputf8=not all(a.isascii() for a in (envelope.sender, *envelope.recipients)),
-            body_8bit=eight_bit,
-            headers=header.browse,
-            source=source,
-        )
-        return meta, envelope, header.fields, tail
+        return _Stored(header, stored, index + (tail is not None), eight_bit, tail)
+
+    @staticmethod
+    def _section_ended(found: HeaderSection, text: bytes, *, ended: bool) -> bool:
+        """Whether the header section has ended with ``text`` (or the message did)."""
+        try:
+            done = found.feed(text)
+        except SectionTooLong as exc:
+            raise Unacceptable(str(exc)) from None
+        if not (done or ended):
+            return False
+        found.finish()
+        if not found.text:
+            raise Unacceptable("empty message")
+        return True
+
+    def _read_header(self, found: HeaderSection, now: int, *, strip_bcc: bool) -> _Header:
+        hostname = self.config.server.resolved_hostname()
+        return _read_header(found, strip_bcc=strip_bcc, now_ms=now, hostname=hostname)

@@ -24,6 +24,7 @@ import ipaddress
 from collections.abc import Iterable
 from typing import Final
 
+from zoneq.protocol.relay_addresses import is_percent_hack
 from zoneq.protocol.replies import EnhancedStatus, Reply
 
 __all__ = [
@@ -49,8 +50,7 @@ def address_refusal(address: str, route: str | None) -> Reply | None:
     """The refusal for a recipient that asks for relaying beyond us, or None."""
     if route is not None:
         return SOURCE_ROUTE
-    local, at, _ = address.rpartition("@")
-    if "%" in (local if at else address):
+    if is_percent_hack(address):
         return PERCENT_HACK
     return None
 
