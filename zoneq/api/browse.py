@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 from aiohttp import web
@@ -15,6 +16,8 @@ from zoneq.storage.records import State
 
 MAX_PAGE: Final = 1000
 DEFAULT_PAGE: Final = 100
+# ASCII digits only: str.isdigit() is true for "²" or "٣", which int() then refuses (or reads).
+_DIGITS: Final = re.compile(r"[0-9]{1,7}")
 
 
 def client_id(text: str, what: str) -> int:
@@ -58,7 +61,7 @@ def _state(request: web.Request) -> State:
 
 def page_limit(request: web.Request) -> int:
     text = request.query.get("limit", str(DEFAULT_PAGE))
-    if not text.isdigit() or not 1 <= int(text) <= MAX_PAGE:
+    if not _DIGITS.fullmatch(text) or not 1 <= int(text) <= MAX_PAGE:
         raise BadRequest(f"limit: expected 1 to {MAX_PAGE}, got {text!r}")
     return int(text)
 

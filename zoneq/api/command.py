@@ -56,8 +56,21 @@ def client_from(args: argparse.Namespace) -> ApiClient:
     return ApiClient(host, port, token)
 
 
+def printable(value: object) -> str:
+    """``value`` as text with every non-printable character escaped (``\\x1b``, ``\\r``,
+    ``\\u2028``): C0 and C1 controls, DEL, the line separators, the bidi controls.
+
+    Subjects, addresses, replies and hold reasons are senders' and remote servers' text:
+    printed as they are, an ESC sequence in a Subject would drive the operator's terminal
+    (retitle it, clear it, hide lines) and a CR or LF would forge table rows."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
-    cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
+    cells = [list(map(printable, header))] + [[printable(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
     return "\n".join(line.rstrip() for line in lines)
@@ -115,11 +128,11 @@ def _show(api: ApiClient, args: argparse.Namespace) -> Result:
     body = api.call("GET", f"{V1}/messages/{args.id}")
     lines = [
         f"message   {body['id']}",
-        f"sender    <{body['sender']}>",
+        f"sender    <{printable(body['sender'])}>",
         f"received  {_when(body['received_ms'])}",
         f"size      {body['size']}",
-        f"zones     {', '.join(body['zones'])}",
-        *(f"{name:<9} {value}" for name, value in body["headers"].items()),
+        f"zones     {printable(', '.join(body['zones']))}",
+        *(f"{printable(name):<9} {printable(value)}" for name, value in body["headers"].items()),
         "",
         _recipient_rows(body["recipients"]),
     ]
@@ -212,7 +225,10 @@ def _send(api: ApiClient, args: argparse.Namespace) -> Result:
     body = api.upload(f"{V1}/messages/raw", path, query)
     lines = [f"queued as {body['id']} for {len(body['recipients'])} recipient(s)"]
     # Refused by a plugin (e.g. a suppression list): the rest were queued all the same.
-    lines.extend(f"refused {r['recipient']}: {r['reply']}" for r in body.get("refused", []))
+    lines.extend(
+        f"refused {printable(r['recipient'])}: {printable(r['reply'])}"
+        for r in body.get("refused", [])
+    )
     return body, "\n".join(lines)
 
 
@@ -224,7 +240,7 @@ def run_action(action: Callable[[ApiClient, argparse.Namespace], Result]) -> Cal
             print(f"zoneq: {exc}", file=sys.stderr)
             return 2
         except ApiError as exc:
-            print(f"zoneq: {exc.message} ({exc.status})", file=sys.stderr)
+            print(f"zoneq: {printable(exc.message)} ({exc.status})", file=sys.stderr)
             return 1
         if args.json and body is not None:
             print(json.dumps(body, indent=2))

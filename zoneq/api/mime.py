@@ -1,10 +1,28 @@
 """A JSON submission made into an RFC 5322 message with the standard library's ``email``.
 
-``EmailMessage`` with ``policy.SMTP`` folds and encodes every header (RFC 2047 for
-non-ASCII), builds MIME (RFC 2045-2049) with the right boundaries and transfer encodings,
-and refuses CR or LF in any header value: together with the checks here, which also refuse
-NUL and other control characters, no field of the JSON can end a header and start another
-(header injection), or end the header section and start the body.
+``EmailMessage`` folds and encodes every header (RFC 2047 for non-ASCII) and builds MIME
+(RFC 2045-2049) with the right boundaries and transfer encodings.  It does not stop header
+injection on its own: it refuses CR or LF in a value as given, but it *decodes* RFC 2047
+encoded-words before writing a header, and before CPython 3.11.10 (CVE-2024-6923,
+``verify_generated_headers``) an encoded CR or LF (``=?utf-8?q?a=0D=0ABcc:...?=``) comes out
+as a real line break: a second field, or the end of the header section.  So, two checks:
+
+- every value that goes into a header is refused when it holds a control character, as sent
+  or once its encoded-words are decoded (``_plain``), and an address may hold no
+  encoded-word at all (its display name is sent as Unicode text; the API encodes it);
+- every header field of every part is checked as written (``_Checked``, CPython's rule):
+  a line break not followed by a space or a tab is refused, whatever let it through.
+
+Domains are written as A-labels (IDNA, UTS 46): RFC 2047 section 5 forbids an encoded-word
+in an addr-spec, which is how the email package writes a non-ASCII domain.  A non-ASCII
+local part has no ASCII form: it is written as UTF-8 (RFC 6532), in a message that needs
+SMTPUTF8 (RFC 6531), which the intake flags when an envelope address is non-ASCII; a
+non-ASCII local part only in a header (Reply-To, or From with an ASCII ``envelope_from``)
+would go out as UTF-8 to servers without SMTPUTF8, and is refused.
+
+Attachments are sent base64; a ``multipart/*`` or ``message/*`` type is refused, as those
+parts may only be 7bit, 8bit or binary (RFC 2045 section 6.4, RFC 2046 section 5.2.1).  A
+whole message to forward goes as ``application/octet-stream``, or through the raw upload.
 
 Bcc addresses go into the envelope only (RFC 5322 section 3.6.3: showing them would
 disclose them).  Date and Message-ID are added, as RFC 6409 section 8 lets a submission
@@ -16,12 +34,17 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from email import policy
+from email.errors import HeaderParseError, MessageError
+from email.header import decode_header
 from email.headerregistry import Address
 from email.message import EmailMessage
+from email.policy import EmailPolicy
 from email.utils import format_datetime, getaddresses, make_msgid
 from typing import Final
+
+import idna
 
 from zoneq.api.models import Submission
 from zoneq.queue.intake import NUL_REFUSED, Envelope, Unacceptable, check_address
@@ -29,6 +52,18 @@ from zoneq.queue.intake import NUL_REFUSED, Envelope, Unacceptable, check_addres
 # RFC 5322 section 3.6.8: a field name is printable ASCII but the colon.
 _FIELD_NAME: Final = re.compile(r"[!-9;-~]{1,76}")
 _MIME_TYPE: Final = re.compile(r"[A-Za-z0-9!#$&^_.+-]{1,64}/[A-Za-z0-9!#$&^_.+-]{1,64}")
+# Not in a header value: C0 but TAB, DEL, C1 (NEL among them), and the line and paragraph
+# separators, where ``str.splitlines`` (and so the email package) breaks a line.
+_CONTROL: Final = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+# What ``email.header.decode_header`` takes for an encoded-word (RFC 2047 section 2, and
+# looser: the email package's own parser also decodes words with spaces inside).
+_ENCODED_WORD: Final = re.compile(r"=\?[^?]*\?[qQbB]\?.*?\?=", re.DOTALL)
+# CPython's NEWLINE_WITHOUT_FWSP (Lib/email/policy.py, 3.11.10 and later) lets a CR or an
+# LF followed by a space through; here any bare CR or LF is refused too (RFC 5322 2.2: CR
+# and LF only together), and a CRLF must be followed by a space or a tab (folding, 2.2.3).
+_UNFOLDED_BREAK: Final = re.compile(rb"\r(?!\n)|(?<!\r)\n|\r\n(?![ \t])")
+# Maintypes whose parts may not be base64-encoded (RFC 2045 6.4, RFC 2046 5.2.1).
+_UNENCODABLE: Final = frozenset({"multipart", "message"})
 # Fields zoneq writes itself, from the JSON's own keys, or that a client must not forge.
 RESERVED: Final = frozenset(
     {
@@ -39,30 +74,114 @@ RESERVED: Final = frozenset(
 )  # fmt: skip
 
 
+class _Checked(EmailPolicy):
+    """``policy.SMTP`` with a check of every generated header field, as CPython 3.11.10
+    does (its fix for CVE-2024-6923, which this Python may lack), and stricter: a line
+    break must be a CRLF followed by a space or a tab, or it starts another field."""
+
+    def fold_binary(self, name: str, value: str) -> bytes:
+        folded = super().fold_binary(name, value)
+        if _UNFOLDED_BREAK.search(folded.removesuffix(b"\r\n")):
+            raise Unacceptable(f"header field {name!r}: would hold a line break (injection)")
+        return folded
+
+
+POLICY: Final = _Checked(linesep="\r\n")
+UTF8_POLICY: Final = POLICY.clone(utf8=True)  # RFC 6532: UTF-8 in header fields, with SMTPUTF8
+
+
+def _decoded_words(value: str, what: str) -> list[str]:
+    """The text of each RFC 2047 encoded-word in ``value``, decoded as the email package
+    would (an unknown charset as Latin-1: every octet shows)."""
+    if not _ENCODED_WORD.search(value):
+        return []
+    try:
+        parts = decode_header(value)
+    except HeaderParseError:
+        raise Unacceptable(f"{what}: an encoded-word (RFC 2047) that does not decode") from None
+    texts = []
+    for data, charset in parts:
+        if charset is None or isinstance(data, str):
+            continue
+        try:
+            texts.append(data.decode(charset, "surrogateescape"))
+        except LookupError:
+            texts.append(data.decode("latin-1"))
+    return texts
+
+
 def _plain(value: str, what: str) -> str:
-    """Refuse control characters (CR, LF, NUL...) in a value that goes into a header."""
-    for char in value:
-        if (ord(char) < 32 and char != "\t") or ord(char) == 127:
-            raise Unacceptable(f"{what}: control character {char!r} not allowed")
+    """Refuse control characters (CR, LF, NUL...) in a value that goes into a header, as
+    sent or inside an encoded-word."""
+    if found := _CONTROL.search(value):
+        raise Unacceptable(f"{what}: control character {found.group()!r} not allowed")
+    for text in _decoded_words(value, what):
+        if found := _CONTROL.search(text):
+            raise Unacceptable(
+                f"{what}: an encoded-word (RFC 2047) decodes to the control character "
+                f"{found.group()!r}, not allowed"
+            )
     return value
 
 
-def _mailbox(value: str, what: str) -> Address:
-    """One ``Name <addr>`` or bare address, checked; an ``Address`` for the header."""
+@dataclass(frozen=True, slots=True)
+class _Mailbox:
+    header: Address  # as written: an A-label domain
+    envelope: str  # as given: the envelope and routing see what the client sent
+    what: str
+
+    @property
+    def utf8(self) -> bool:
+        return not self.header.username.isascii()
+
+
+def _domain(domain: str, what: str) -> str:
+    """The domain as written in a header: an A-label for a non-ASCII name (RFC 5890)."""
+    if domain.isascii():
+        return domain
+    try:
+        return idna.encode(domain, uts46=True).decode("ascii")
+    except idna.IDNAError as exc:
+        raise Unacceptable(f"{what}: {domain!r} is not a valid domain name (IDNA): {exc}") from None
+
+
+def _mailbox(value: str, what: str) -> _Mailbox:
+    """One ``Name <addr>`` or bare address, checked; its ``Address`` for the header."""
     _plain(value, what)
+    if _ENCODED_WORD.search(value):
+        # RFC 2047 section 5 keeps encoded-words out of addr-specs and quoted strings, and
+        # getaddresses splits a display name's encoded-word at a colon inside it.
+        raise Unacceptable(
+            f"{what}: no encoded-word (RFC 2047) in an address; give the name as plain text"
+        )
     found = getaddresses([value])
     if len(found) != 1 or not found[0][1]:
         raise Unacceptable(f"{what}: expected one address, got {value!r}")
     name, addr = found[0]
     check_address(addr, what=what)
+    local, _, domain = addr.rpartition("@")
+    domain = _domain(domain, what)
     try:
-        return Address(display_name=name, addr_spec=addr)
-    except (ValueError, IndexError) as exc:
+        if local.isascii():
+            header = Address(display_name=name, addr_spec=f"{local}@{domain}")
+        else:
+            # The email package parses no UTF-8 local part (RFC 6532 section 3.2 extends
+            # atext): its shape is checked on an ASCII stand-in, a dot-atom only.
+            stand_in = "".join(c if c.isascii() else "u" for c in local)
+            if Address(addr_spec=f"{stand_in}@{domain}").username != stand_in:
+                raise ValueError("a non-ASCII local part must be a dot-atom")
+            header = Address(display_name=name, username=local, domain=domain)
+    except (ValueError, IndexError, MessageError) as exc:
         raise Unacceptable(f"{what}: {value!r} is not an address: {exc}") from None
+    return _Mailbox(header, addr, what)
 
 
-def _mailboxes(values: list[str], what: str) -> list[Address]:
+def _mailboxes(values: list[str], what: str) -> list[_Mailbox]:
     return [_mailbox(value, f"{what}[{i}]") for i, value in enumerate(values)]
+
+
+def _addresses(boxes: list[_Mailbox]) -> list[Address]:
+    return [box.header for box in boxes]
 
 
 def build(submission: Submission, *, hostname: str, now_ms: int) -> tuple[bytes, Envelope]:
@@ -74,15 +193,21 @@ def build(submission: Submission, *, hostname: str, now_ms: int) -> tuple[bytes,
     reply_to = _mailboxes(submission.reply_to, "reply_to")
     if not (to or cc or bcc):
         raise Unacceptable("no recipients: give at least one of to, cc, bcc")
-    msg = EmailMessage(policy=policy.SMTP)
+    if submission.envelope_from is not None:
+        mail_from = submission.envelope_from
+    else:
+        mail_from = sender.envelope
+    recipients = tuple(dict.fromkeys(box.envelope for box in (*to, *cc, *bcc)))
+    envelope = Envelope(mail_from, recipients).checked()
+    msg = EmailMessage(policy=_policy([sender, *to, *cc, *reply_to], envelope))
     try:
-        msg["From"] = sender
+        msg["From"] = sender.header
         if to:
-            msg["To"] = to
+            msg["To"] = _addresses(to)
         if cc:
-            msg["Cc"] = cc
+            msg["Cc"] = _addresses(cc)
         if reply_to:
-            msg["Reply-To"] = reply_to
+            msg["Reply-To"] = _addresses(reply_to)
         msg["Subject"] = _plain(submission.subject, "subject")
         msg["Date"] = format_datetime(datetime.fromtimestamp(now_ms / 1000, tz=UTC))
         msg["Message-ID"] = make_msgid(domain=hostname)
@@ -94,14 +219,25 @@ def build(submission: Submission, *, hostname: str, now_ms: int) -> tuple[bytes,
             msg[name] = _plain(value, f"headers.{name}")
         _body(msg, submission)
         data = msg.as_bytes()
-    except ValueError as exc:  # the email package's own refusals (a second line of defence)
+    # The email package's own refusals (a second line of defence); MessageError covers
+    # HeaderParseError and, on a newer Python, HeaderWriteError (not ValueErrors).
+    except (ValueError, MessageError) as exc:
         raise Unacceptable(str(exc)) from None
-    if submission.envelope_from is not None:
-        mail_from = submission.envelope_from
-    else:
-        mail_from = sender.addr_spec
-    recipients = tuple(dict.fromkeys(a.addr_spec for a in (*to, *cc, *bcc)))
-    return data, Envelope(mail_from, recipients).checked()
+    return data, envelope
+
+
+def _policy(shown: list[_Mailbox], envelope: Envelope) -> EmailPolicy:
+    """UTF-8 header fields when a shown address needs them, if the message gets SMTPUTF8:
+    the intake flags it for a non-ASCII envelope address (``Intake``, RFC 6531)."""
+    needing = [box.what for box in shown if box.utf8]
+    if not needing:
+        return POLICY
+    if all(a.isascii() for a in (envelope.sender, *envelope.recipients)):
+        raise Unacceptable(
+            f"{needing[0]}: a non-ASCII local part needs SMTPUTF8 (RFC 6531), which the "
+            "message only gets with a non-ASCII envelope address"
+        )
+    return UTF8_POLICY
 
 
 def _text(value: str | None, what: str) -> str:
@@ -128,9 +264,15 @@ def _body(msg: EmailMessage, submission: Submission) -> None:
             raise Unacceptable(
                 f"{what}.content_type: {attachment.content_type!r} is not type/subtype"
             )
+        maintype, _, subtype = attachment.content_type.lower().partition("/")
+        if maintype in _UNENCODABLE:
+            raise Unacceptable(
+                f"{what}.content_type: {maintype}/* cannot be sent base64-encoded (RFC 2045 "
+                "6.4, RFC 2046 5.2.1): send it as application/octet-stream, or the whole "
+                "message through /api/v1/messages/raw"
+            )
         try:
             content = base64.b64decode(attachment.content, validate=True)
         except (binascii.Error, ValueError):
             raise Unacceptable(f"{what}.content: not valid base64") from None
-        maintype, _, subtype = attachment.content_type.partition("/")
         msg.add_attachment(content, maintype=maintype, subtype=subtype, filename=filename)

@@ -308,6 +308,35 @@ PATHS: Final[dict[str, dict[str, Any]]] = {
     },
 }
 
+# GET routes answered for HEAD too (RFC 9110 section 9.3.2: the GET's status and header
+# fields, no content), for monitors and load balancers that probe with HEAD; ``routes.py``
+# registers them from this set.  Not the streamed ones (a message's source, the exports): a
+# HEAD would read all of it only to send none.
+HEAD: Final = frozenset(
+    {
+        "/health", "/metrics", "/openapi.json", "/api/v1/messages/{id}", "/api/v1/queue",
+        "/api/v1/zones/{zone}/recipients", "/api/v1/zones/{zone}/domains",
+        "/api/v1/suppression/{zone}", "/api/v1/suppression/{zone}/check",
+    }
+)  # fmt: skip
+
+
+def _head(get: dict[str, Any]) -> dict[str, Any]:
+    """The GET operation as a HEAD: the same statuses, no content."""
+    responses = {
+        code: {k: v for k, v in answer.items() if k != "content"}
+        for code, answer in get["responses"].items()
+    }
+    return {**get, "summary": f"{get['summary']} (headers only)", "responses": responses}
+
+
+def _paths() -> dict[str, dict[str, Any]]:
+    return {
+        path: {**item, "head": _head(item["get"])} if path in HEAD else item
+        for path, item in PATHS.items()
+    }
+
+
 SCHEMAS: Final = (
     models.Submission,
     models.Attachment,
@@ -347,7 +376,7 @@ def build_document() -> dict[str, Any]:
             "description": "Bearer-token auth (RFC 6750) on everything but /health.",
         },
         "security": [{"bearer": []}],
-        "paths": PATHS,
+        "paths": _paths(),
         "components": {
             "schemas": schemas,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

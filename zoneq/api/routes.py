@@ -43,5 +43,9 @@ ROUTES: Final[tuple[tuple[str, str, Handler], ...]] = (
 
 
 def setup_routes(app: web.Application) -> None:
+    """Each route; a GET in ``openapi.HEAD`` answers HEAD too (``add_route("GET")`` alone
+    does not add it, ``add_get`` does by default: explicit here, as the document says)."""
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
+        if method == "GET" and path in openapi.HEAD:
+            app.router.add_route("HEAD", path, handler)
