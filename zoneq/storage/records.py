@@ -14,7 +14,7 @@ import enum
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgpack
 
@@ -22,6 +22,8 @@ from zoneq.errors import StorageCorruption
 
 RECORD_VERSION: Final = 1
 META_VERSION: Final = 1
+
+_T = TypeVar("_T")
 
 
 class State(enum.StrEnum):
@@ -183,28 +185,69 @@ class MessageMeta:
 
     @classmethod
     def decode(cls, key: bytes, msg_id: int, value: bytes) -> MessageMeta:
+        """The metadata in ``value``; ``StorageCorruption`` if any field is missing or of the
+        wrong type.  Every field is checked here, once, because a value that decodes but
+        carries, say, ``"chunks": "3"`` would otherwise reach a worker inside a job, which
+        refuses it and exits, and the next worker would take the same job: for ever."""
         try:
-            data: dict[str, Any] = msgpack.unpackb(value)
+            data = msgpack.unpackb(value)
+            if not isinstance(data, dict):
+                raise ValueError(f"metadata is a {type(data).__name__}, not a map")
             if data.get("v") != META_VERSION:
                 raise ValueError(f"unknown metadata format {data.get('v')!r}")
             return cls(
                 msg_id=msg_id,
-                sender=data["sender"],
-                zones=tuple(data["zones"]),
-                recipient_count=data["rcpts"],
-                size=data["size"],
-                chunks=data["chunks"],
-                received_ms=data["received"],
-                ret=data["ret"],
-                envid=data["envid"],
-                smtputf8=data["utf8"],
-                body_8bit=data["8bit"],
-                headers=dict(data["headers"]),
-                source=dict(data["source"]),
-                is_bounce=data["bounce"],
+                sender=_typed(data, "sender", str),
+                zones=tuple(_strings(data, "zones")),
+                recipient_count=_count(data, "rcpts"),
+                size=_count(data, "size"),
+                chunks=_count(data, "chunks"),
+                received_ms=_typed(data, "received", int),
+                ret=_optional_str(data, "ret"),
+                envid=_optional_str(data, "envid"),
+                smtputf8=_typed(data, "utf8", bool),
+                body_8bit=_typed(data, "8bit", bool),
+                headers=_string_map(data, "headers"),
+                source=_string_map(data, "source"),
+                is_bounce=_typed(data, "bounce", bool),
             )
         except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as exc:
             raise StorageCorruption(key, str(exc)) from exc
+
+
+def _typed(data: dict[str, Any], name: str, kind: type[_T]) -> _T:
+    """``data[name]``, which must be a ``kind`` (bool is not taken for int: msgpack keeps
+    them apart, so a bool where a count belongs is damage, not an encoding)."""
+    value = data[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"{name}: expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _count(data: dict[str, Any], name: str) -> int:
+    value = _typed(data, name, int)
+    if value < 0:
+        raise ValueError(f"{name}: {value} is negative")
+    return value
+
+
+def _optional_str(data: dict[str, Any], name: str) -> str | None:
+    value = data[name]
+    return None if value is None else _typed(data, name, str)
+
+
+def _strings(data: dict[str, Any], name: str) -> list[str]:
+    items = _typed(data, name, list)
+    if not all(isinstance(item, str) for item in items):
+        raise TypeError(f"{name}: expected a list of str")
+    return items
+
+
+def _string_map(data: dict[str, Any], name: str) -> dict[str, str]:
+    items = _typed(data, name, dict)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in items.items()):
+        raise TypeError(f"{name}: expected a map of str to str")
+    return items
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,8 +268,17 @@ def encode_head(created_ms: int, remaining: int) -> bytes:
 
 
 def decode_head(key: bytes, value: bytes) -> tuple[int, int]:
+    """``(created_ms, recipients still queued)``; ``StorageCorruption`` unless the value is
+    exactly two integers, the count above 0 (a message with none left has no head)."""
     try:
-        created, remaining = msgpack.unpackb(value)
-        return int(created), int(remaining)
+        items = msgpack.unpackb(value)
+        if not isinstance(items, list) or len(items) != 2:
+            raise ValueError(f"head is {items!r}, not [created, remaining]")
+        created, remaining = items
+        if not all(type(item) is int for item in items):
+            raise TypeError(f"head is {items!r}, not two integers")
+        if remaining < 1:
+            raise ValueError(f"head counts {remaining} recipients")
+        return created, remaining
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise StorageCorruption(key, str(exc)) from exc
