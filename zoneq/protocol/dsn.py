@@ -21,8 +21,10 @@ Sending the result is the caller's job, and two rules apply to it:
   RFC 3461 section 6.1), so a notice that fails in turn is dropped instead of bouncing back and
   forth.  The ``From:`` header names the postmaster address; the envelope sender stays empty.
 * If the result holds any octet above 0x7F (returned 8-bit content) it needs
-  ``BODY=8BITMIME``; if the recipient (the original envelope sender) is not ASCII it needs
-  ``SMTPUTF8`` (RFC 6531).  The machine-readable part itself is always 7-bit.
+  ``BODY=8BITMIME``; if the recipient (the original envelope sender) is not ASCII, or the
+  original comes back as message/global or message/global-headers, it needs ``SMTPUTF8``
+  (RFC 6531, RFC 6533).  ``transport_needs`` says which.  The machine-readable part itself
+  is always 7-bit.
 
 Pure: no I/O, no clock, no randomness.  The date, the Message-ID and every other value come
 in the request, and the MIME boundary is derived from the content, so the same request always
@@ -74,11 +76,13 @@ __all__ = [
     "SUBJECT_FAILED",
     "Action",
     "DsnRequest",
+    "DsnTransport",
     "Notify",
     "ReportedRecipient",
     "Ret",
     "build_dsn",
     "should_send_dsn",
+    "transport_needs",
     "utf8_xtext_decode",
     "utf8_xtext_encode",
     "xtext_decode",
@@ -650,6 +654,15 @@ def _opaque_part(
     return part
 
 
+def _returned_headers(req: DsnRequest) -> bytes | None:
+    """The original's header section as the third part returns it, or None if it has none
+    that can be carried (then there is no third part)."""
+    headers = _header_block(req.original_headers)
+    if not headers or not _fits_8bit(headers):
+        return None
+    return headers
+
+
 def _original_part(
     req: DsnRequest, policy: EmailPolicy[EmailMessage]
 ) -> tuple[MIMEPart, str] | None:
@@ -660,8 +673,8 @@ def _original_part(
     header section, or one that cannot be carried, means no third part (RFC 6522 section 3
     makes it optional).
     """
-    headers = _header_block(req.original_headers)
-    if not headers or not _fits_8bit(headers):
+    headers = _returned_headers(req)
+    if headers is None:
         return None
     # Internationalized headers (RFC 6532) may not appear in message/rfc822 or
     # text/rfc822-headers; message/global (RFC 6532 section 3.7) and message/global-headers
@@ -726,6 +739,37 @@ def _boundaries(req: DsnRequest) -> Iterator[str]:
         digest.update(counter.to_bytes(8, "big"))
         yield f"=_zoneq_{digest.hexdigest()[:40]}"
         counter += 1
+
+
+@dataclass(frozen=True, slots=True)
+class DsnTransport:
+    """What the SMTP transaction that carries a built notice must announce."""
+
+    body_8bit: bool  # BODY=8BITMIME (RFC 6152)
+    smtputf8: bool  # SMTPUTF8 (RFC 6531)
+
+
+def transport_needs(req: DsnRequest, notice: bytes) -> DsnTransport:
+    """The flags ``notice`` (``build_dsn(req)``) must be sent with.
+
+    * ``body_8bit`` when any octet is above 0x7F (returned 8-bit content, a message/global
+      part, or a UTF-8 To: header): RFC 6152 section 3 forbids sending it without
+      ``BODY=8BITMIME``.
+    * ``smtputf8`` when the envelope sender, who receives the notice, is not ASCII (its
+      RCPT TO needs SMTPUTF8, RFC 6531), or when the original is returned as message/global
+      or message/global-headers because its headers are UTF-8 (RFC 6532 section 3.7,
+      RFC 6533): raw UTF-8 header fields are only for a server that took SMTPUTF8, and
+      with the flag the delivery session refuses (5.6.7) a server that does not.  The
+      delivery-status part itself is always 7-bit here (non-ASCII is written as
+      \\x{HEX}), so message/global-delivery-status is never produced.
+    """
+    sender = _strip_angles(_clean(req.envelope_sender))
+    headers = _returned_headers(req)
+    international = headers is not None and not headers.isascii()
+    return DsnTransport(
+        body_8bit=not notice.isascii(),
+        smtputf8=not sender.isascii() or international,
+    )
 
 
 def build_dsn(req: DsnRequest) -> bytes:

@@ -70,10 +70,13 @@ class MailOptions:
     ``ret`` and ``envid`` (ENVID as received, xtext): RFC 3461 sections 4.3 and 4.4.
     ``size``: the message size in octets, RFC 1870; a server limit below it bounces with 5.3.4
     before anything is sent.  ``eight_bit``: the body is 8-bit MIME (``BODY=8BITMIME``, RFC
-    6152); to a server without 8BITMIME it is sent as it is, as Postfix does by default, since
-    there is no converting it here.  ``smtputf8``: the message needs SMTPUTF8 (RFC 6531), e.g.
-    for UTF-8 headers; non-ASCII addresses imply it.  Without SMTPUTF8 at the server, such mail
-    bounces with 5.6.7 (RFC 6531 section 3.4).
+    6152).  To a server without 8BITMIME zoneq sends such a body unchanged, 8-bit octets and
+    all: there is no converting it here.  That departs from RFC 6152 section 3, which has the
+    client convert the body to 7-bit MIME or else return it as undeliverable, and from
+    Postfix, which by default (``disable_mime_output_conversion = no``) converts 8-bit MIME
+    to 7-bit quoted-printable for such a server.  ``smtputf8``: the message needs SMTPUTF8
+    (RFC 6531), e.g. for UTF-8 headers; non-ASCII addresses imply it.  Without SMTPUTF8 at
+    the server, such mail bounces with 5.6.7 (RFC 6531 section 3.4).
     """
 
     ret: Ret | None = None
