@@ -39,6 +39,7 @@ from zoneq.delivery.hostcache import DeadHostCache
 from zoneq.delivery.mx import MxResolver, system_nameservers
 from zoneq.delivery.pool import SourcePool
 from zoneq.delivery.transport import ConnectionCache, TlsPolicy
+from zoneq.delivery.transport.data import exact_size
 from zoneq.errors import TemporaryFailure, ZoneqError
 from zoneq.ipc.client import IpcClient
 from zoneq.ipc.messages import Hello, Job, Outcome, RecipientReport
@@ -204,7 +205,7 @@ class Worker:
                     return
                 try:
                     jobs = await self._lease()
-                except TemporaryFailure as exc:
+                except ZoneqError as exc:
                     if self._client.closed:
                         raise  # the core is gone: exit, the supervisor decides what next
                     log.warning("loop %d: lease failed: %s", number, exc, extra=REPEATS)
@@ -221,11 +222,13 @@ class Worker:
                 reply = await self._client.report(
                     tuple(reports), lease_jobs=more, kept=kept, closed=closed
                 )
-            except TemporaryFailure as exc:
+            except ZoneqError as exc:
                 if self._client.closed:
                     raise  # the core is gone: exit, the supervisor decides what next
-                # The core could not take the report (its storage failed): it voids those
-                # leases itself and tries the recipients again, so drop them and go on.
+                # The core could not take the report (its storage failed, or a message was
+                # damaged): it voids those leases itself, so drop them and go on.  Dying
+                # here would cut off the jobs of this worker's other loops, and those
+                # recipients would be sent again.
                 log.warning(
                     "loop %d: report of %d outcome(s) failed: %s", number, len(reports), exc
                 )
@@ -252,7 +255,8 @@ class Worker:
                 settings=self._settings,
                 resolver=self._resolver,
                 dead_hosts=self._dead_hosts,
-                body=lambda: self._client.iter_body(job),
+                # Counted against the size as stored: a torn chunk is not sent cut short.
+                body=lambda: exact_size(self._client.iter_body(job), job.size),
                 connections=self._connections,
                 plugins=self._plugins,
             )

@@ -23,6 +23,7 @@ from zoneq.delivery.transport.abort import BAD_CONNECTION, LOCAL_ERROR, Abort, l
 from zoneq.delivery.transport.channel import Channel, ChannelClosed, ChannelTimeout
 from zoneq.delivery.transport.ledger import Ledger
 from zoneq.delivery.transport.options import BodySource, Timeouts
+from zoneq.errors import ZoneqError
 from zoneq.protocol.encoder import DotStuffer
 from zoneq.protocol.replies import Reply, Stage, Verdict
 
@@ -39,6 +40,30 @@ async def body_chunks(
     else:
         for chunk in source:
             yield chunk
+
+
+class BodySizeMismatch(ZoneqError):
+    """The stored body did not add up to the message's size: a chunk was torn or lost."""
+
+
+async def exact_size(
+    source: AsyncIterable[bytes] | Iterable[bytes], size: int
+) -> AsyncGenerator[bytes, None]:
+    """``source``'s chunks, raising ``BodySizeMismatch`` instead of ending when they do not
+    add up to ``size`` (the stored octets, before dot-stuffing: ``MessageMeta.size``).
+
+    The raise comes before the source's end is seen by :func:`send_body`, so the final dot
+    is never sent: a damaged body is deferred as a local error (and the core quarantines
+    the message), never delivered cut short with a 250.  One addition per chunk.
+    """
+    total = 0
+    async for chunk in body_chunks(source):
+        total += len(chunk)
+        if total > size:
+            raise BodySizeMismatch(f"the stored body is over its size of {size} octets")
+        yield chunk
+    if total != size:
+        raise BodySizeMismatch(f"the stored body is {total} octets, not {size}")
 
 
 async def send_body(
