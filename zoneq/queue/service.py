@@ -366,6 +366,10 @@ class QueueService:
             try:
                 meta = self._store.message(planned.msg_id)
             except NotFound:
+                # Its message is gone: orphans, which kept leased would stay out of
+                # circulation for good (and again after every restart).  The store removes
+                # them with a DROPPED event each, and logs it.
+                self._store.drop_orphans(planned.msg_id, current, self._clock())
                 meta = None
             except StorageCorruption:
                 # Its metadata cannot be read (the store quarantined and reported it): the

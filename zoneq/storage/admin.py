@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from zoneq.errors import NotFound, StorageCorruption
 from zoneq.protocol.events import Event, EventKind
 from zoneq.protocol.ids import format_id, id_time_ms
 from zoneq.storage import keys
-from zoneq.storage.base import FAMILY_STATE, STATE_FAMILY, QueuedRecipient, StoreBase
+from zoneq.storage.base import (
+    FAMILY_STATE,
+    STATE_FAMILY,
+    Lease,
+    Outcome,
+    QueuedRecipient,
+    StoreBase,
+    log,
+)
 from zoneq.storage.counters import MESSAGES, domain_key, zone_key
 from zoneq.storage.leveldb import Op
 from zoneq.storage.records import (
@@ -19,6 +28,24 @@ from zoneq.storage.records import (
     recipient_domain,
 )
 from zoneq.storage.writer import GroupWriter
+
+
+def _retrieved(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()  # read, so asyncio does not log it as never retrieved
+
+
+def same_mailbox(stored: str, given: str) -> bool:
+    """Whether an administrator's ``given`` address names the ``stored`` recipient.
+
+    RFC 5321 section 2.4: the domain part is case-insensitive, while the local part may be
+    case-sensitive (only the destination host may fold it), so it is compared exactly.
+    """
+    local, at, domain = stored.rpartition("@")
+    given_local, given_at, given_domain = given.rpartition("@")
+    if not at or not given_at:
+        return stored == given
+    return local == given_local and domain.lower() == given_domain.lower()
 
 
 class AdminMixin(StoreBase):
@@ -99,7 +126,7 @@ class AdminMixin(StoreBase):
         dropped = 0
         for state, key, record in list(self._raw_records(msg_id)):
             _, zone, _, rcpt = keys.decode_record(key)
-            if address is not None and rcpt != address:
+            if address is not None and not same_mailbox(rcpt, address):
                 continue
             ops.extend(self._remove_key(key, state, record))
             event = Event(
@@ -118,15 +145,55 @@ class AdminMixin(StoreBase):
         if head is not None:
             if not dropped:
                 raise NotFound(f"no queued recipient {address} in message {mid}")
-            ops.extend(self._recipients_gone(msg_id, head, dropped))
+            if head[1] > dropped:
+                ops.extend(self._recipients_gone(msg_id, head, dropped))
+            else:
+                ops.extend(self._message_removed(msg_id))
         elif dropped or self._writer.read(keys.message_head(msg_id)) is not None:
-            if self._writer.read(keys.message_head(msg_id)) is not None:
-                self._counters.add(MESSAGES, -1)
-            ops.extend(self._message_deletes(msg_id))
+            ops.extend(self._message_removed(msg_id))
         else:
             raise NotFound(f"no queued message {mid}")
         await self._writer.submit(ops, sync=False)
         return dropped
+
+    def drop_orphans(self, msg_id: int, leases: Sequence[Lease], now_ms: int) -> int:
+        """Remove leased records of a message that is gone, each with a DROPPED event; how
+        many (0 if the message is there after all, or the store cannot write now).
+
+        Such a record (an orphan, say one that landed after its message was deleted, by a
+        version that let that happen) can never be delivered; kept leased it would stay
+        counted and out of circulation for good, and again after every restart.  Only when
+        the message has neither head nor metadata: a head without metadata is damage,
+        quarantined and kept for the operator.  While the database cannot write, the leases
+        are given back (found again once it heals).  Not a coroutine: the
+        queue service calls it while handing out jobs; the write lands on its own.
+        """
+        mine = [lease for lease in leases if self.holds(lease)]
+        if not mine:
+            return 0
+        if self._writer.read(keys.message_head(msg_id)) is not None:
+            meta_key = keys.message_meta(msg_id)
+            self._quarantine(StorageCorruption(meta_key, "a queued message has no metadata"))
+            return 0
+        if self._writer.failed is not None:
+            for lease in mine:
+                # Given back without moving the cursor back: scanned again (and removed)
+                # once a reopen resets the cursors, not by every refill in the meantime.
+                self._take(lease)
+            return 0
+        ops: list[Op] = []
+        gone = Outcome(reply="its message was gone (removed while this record was moving)")
+        for lease in mine:
+            ops.extend(self._remove_key(lease.key, State.READY, lease.recipient))
+            ops.append(self._outcome_event(EventKind.DROPPED, lease.recipient, now_ms, gone))
+        log.warning(
+            "removed %d record(s) of message %s: the message is gone", len(mine), format_id(msg_id)
+        )
+        landing = self._writer.submit(ops, sync=False)
+        # A failed write is the store's to report and heal (``_on_failure``); the records are
+        # on disk still, and found again when next handed out.
+        landing.add_done_callback(_retrieved)
+        return len(mine)
 
     async def hold(self, msg_id: int, reason: str = "held by administrator") -> int:
         """Put a message's ready and deferred recipients on hold (leased ones finish first)."""

@@ -40,7 +40,7 @@ class BulkMixin(StoreBase):
         worker's report is refused (as :meth:`drop` does)."""
         self._check()
         # Heads first, before anything changes: a message whose head is missing or corrupt
-        # still loses the records named, but its head is left for the sweep to judge.
+        # still loses the records named, and goes itself once none is left (``_headless``).
         heads: dict[int, tuple[int, int] | None] = {}
         sizes: dict[int, Outcome] = {}  # each DROPPED event carries its message's size
         for queued in chosen:
@@ -58,13 +58,25 @@ class BulkMixin(StoreBase):
             ops.extend(self._remove_record(queued))
             ops.append(self._outcome_event(EventKind.DROPPED, record, now_ms, sizes[record.msg_id]))
             gone[record.msg_id] = gone.get(record.msg_id, 0) + 1
+        removed = {key for key, value in ops if value is None}
         for msg_id, count in gone.items():
             head = heads[msg_id]
             if head is not None:
                 ops.extend(self._recipients_gone(msg_id, head, count))
+            else:
+                ops.extend(self._headless(msg_id, removed))
         if ops:
             await self._writer.submit(ops, sync=False)
         return len(chosen)
+
+    def _headless(self, msg_id: int, removed: set[bytes]) -> list[Op]:
+        """Writes removing a message with a missing or corrupt head once ``removed`` takes
+        its last record: no count says when that is, so its records are looked up.  Left
+        behind, its metadata and chunks would stay for good (the sweep looks at receiving
+        markers only, and no delivery ends such a message)."""
+        if any(key not in removed for _, key, _ in self._raw_records(msg_id)):
+            return []
+        return self._message_removed(msg_id)
 
     def _message_size(self, msg_id: int) -> int:
         """The message's size in octets (as ``admin.drop`` records it); 0 when its metadata

@@ -14,8 +14,10 @@ Staged writes are not in the database yet, but the transitions that follow must 
 message's last recipient must know the previous one is gone).  So every staged write is also
 kept in an in-memory *overlay* until its group lands; :meth:`read` looks there first.  Range
 scans read the database and consult :meth:`pending` for each key they meet: a staged delete
-hides a record at once, while a staged insert becomes visible to scans only once durable,
-which is what a queue wants (nothing is leased before it is safe on disk).  A commit's
+hides a record at once, while a staged insert becomes visible to the lease scan only once
+durable, which is what a queue wants (nothing is leased before it is safe on disk).
+Administrators' scans go through :meth:`scan`, which shows staged inserts too: removing or
+holding a message must see every recipient it has, landed or not.  A commit's
 writes are kept out of the overlay altogether: they are all new keys, and nobody has the
 message's id before the commit returns, so nothing needs to read them early.
 
@@ -44,13 +46,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
 from zoneq.errors import StorageUnavailable
+from zoneq.storage import keys
 from zoneq.storage.leveldb import Database, Op
 
 log = logging.getLogger("zoneq.storage")
@@ -182,6 +186,48 @@ class GroupWriter:
         return _MISSING if entry is None else entry[0]
 
     MISSING = _MISSING
+
+    def scan(self, prefix: bytes, *, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """The keys under ``prefix`` (from ``start`` on) as the latest staged state shows them.
+
+        Staged deletes hide keys, staged values replace durable ones, and staged inserts
+        appear in their place in key order although not on disk yet.  For administrators'
+        scans: a drop or a hold must see a recipient whose move (deferred to ready, ready
+        to held...) is still on its way, or it would miss the record that then lands with
+        no message behind it.  The lease scan does not come here: it hands out only what
+        is durable.  The overlay is walked whole (the groups in flight, a few thousand
+        keys at most), once per call, never on the delivery path.
+        """
+        stop = keys.prefix_upper_bound(prefix)
+        low = prefix if start is None else max(prefix, start)
+        staged = self._staged(low, stop)
+        durable = self._db.items(start=low, stop=stop)
+        merged = heapq.merge(staged, durable, key=lambda item: item[0])
+        # ``sorted`` and ``heapq.merge`` keep a staged entry before the durable one of the
+        # same key (staged comes first, and the merge is stable): it wins, the other goes.
+        last: bytes | None = None
+        for key, value in merged:
+            if key == last:
+                continue
+            last = key
+            if value is not None:
+                yield key, value
+
+    def staged_inserts(self, prefix: bytes) -> list[bytes]:
+        """The keys under ``prefix`` staged with a value (not on disk yet), in key order:
+        for an administrator's delete, which must delete them too (same cost as ``scan``)."""
+        staged = self._staged(prefix, keys.prefix_upper_bound(prefix))
+        return [key for key, value in staged if value is not None]
+
+    def _staged(self, low: bytes, stop: bytes | None) -> list[tuple[bytes, bytes | None]]:
+        """The overlay's entries in ``[low, stop)``, sorted by key (None: a staged delete)."""
+        if not self._overlay:
+            return []
+        return sorted(
+            (key, entry[0])
+            for key, entry in self._overlay.items()
+            if low <= key and (stop is None or key < stop)
+        )
 
     # --- writes ---------------------------------------------------------------------------
 
