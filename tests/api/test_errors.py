@@ -105,4 +105,4 @@ async def test_a_hold_reason_with_control_characters_holds_nothing(
         _, shown = await api.call("GET", f"{M}/{msg}")
         assert [r["state"] for r in shown["recipients"]] == ["ready"]
         status, body = await api.call("POST", f"{M}/{msg}/hold", json={"reason": "one line"})
-        assert (status, body) == (200, {"count": 1})
+        assert (status, body) == (200, {"count": 1, "on_return": 0})

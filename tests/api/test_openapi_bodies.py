@@ -157,7 +157,7 @@ async def test_every_operation_answers_as_documented(store: QueueStore, tmp_path
         held = await check.call(
             "POST", msg + "/hold", f"/api/v1/messages/{one}/hold", json={"reason": "look"}
         )
-        assert held == {"count": 2}
+        assert held == {"count": 2, "on_return": 0}
         assert await check.call("POST", msg + "/release", f"/api/v1/messages/{one}/release") == {
             "count": 2
         }

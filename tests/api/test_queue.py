@@ -241,7 +241,7 @@ async def test_hold_and_release_a_message(store: QueueStore) -> None:
     path = f"/api/v1/messages/{format_id(msg)}"
     async with api_running(store) as api:
         status, body = await api.call("POST", path + "/hold", json={"reason": "complaint #7"})
-        assert (status, body) == (200, {"count": 2})
+        assert (status, body) == (200, {"count": 2, "on_return": 0})
         assert {q.recipient.hold_reason for q in store.recipients(msg)} == {"complaint #7"}
         assert (await api.call("POST", path + "/hold"))[0] == 409
         status, body = await api.call("POST", path + "/release")

@@ -52,7 +52,8 @@ def test_send_and_the_admin_commands_on_a_real_serve(tmp_path: Path) -> None:
             (m, a) for m in (bounced["id"], null["id"]) for a in everyone
         }
 
-        assert ok(config, "queue", "hold", null["id"], "--reason", "checking") == {"count": 3}
+        held_now = ok(config, "queue", "hold", null["id"], "--reason", "checking")
+        assert held_now == {"count": 3, "on_return": 0}
         held = ok(config, "queue", "browse", "default", "--state", "held")
         assert {r["hold_reason"] for r in held["recipients"]} == {"checking"}
         refused = zoneq(config, "queue", "hold", bounced["id"], "--reason", "x\r\ny")
@@ -71,6 +72,16 @@ def test_send_and_the_admin_commands_on_a_real_serve(tmp_path: Path) -> None:
         assert nothing.returncode == 1 and "no deferred recipients (409)" in nothing.stderr
         mixed = zoneq(config, "queue", "retry", null["id"], "--domain", "ok.test")
         assert mixed.returncode == 2 and "--domain" in mixed.stderr
+
+        # A filter that would not narrow is refused, naming it, before anything is purged.
+        for args, named in (
+            (("--older-than", "0"), "older_than"),
+            (("--zone", "default", "--sender-domain", ""), "sender_domain"),
+        ):
+            refused = zoneq(config, "queue", "purge", *args)
+            assert refused.returncode == 1 and f"{named}: " in refused.stderr, refused.stderr
+        empty = zoneq(config, "queue", "retry", "--zone", "default", "--domain", "")
+        assert empty.returncode == 2 and "domain: must not be empty" in empty.stderr
 
         purged = ok(config, "queue", "purge", "--zone", "default", "--recipient-domain", "ok.test")
         assert purged == {"count": 6}

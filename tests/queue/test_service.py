@@ -17,7 +17,7 @@ from tests.storage.conftest import (
     queue_message,
 )
 from zoneq.config import load_config
-from zoneq.queue.service import Job, QueueService, RecipientOutcome, Result
+from zoneq.queue.service import HoldCount, Job, QueueService, RecipientOutcome, Result
 from zoneq.storage.records import NewRecipient, State
 from zoneq.storage.store import QueueStore
 
@@ -382,8 +382,9 @@ async def test_hold_takes_recipients_waiting_in_the_core_but_not_those_in_flight
     waiting = await queue_message(store, [("c@one.test", Z)])
     jobs = await service.lease(Z, "w1", max_jobs=5)  # one.test has one slot: c waits here
     assert sorted(j.msg_id for j in jobs) == [msg_id, msg_id]
-    assert await service.hold(waiting) == 1
-    assert await service.hold(msg_id) == 0  # both of its recipients are on the wire
+    assert await service.hold(waiting) == HoldCount(now=1, on_return=0)
+    # both of its recipients are on the wire: held if their attempt ends undelivered
+    assert await service.hold(msg_id) == HoldCount(now=0, on_return=2)
     for job in jobs:
         await service.report("w1", outcome(job, Result.DELIVERED))
     assert await service.lease(Z, "w1", max_jobs=5) == []  # c is held, not handed out

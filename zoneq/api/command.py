@@ -183,6 +183,9 @@ def _target(args: argparse.Namespace, verb: str) -> str:
 
 
 def _retry(api: ApiClient, args: argparse.Namespace) -> Result:
+    if args.domain is not None and not args.domain.strip().rstrip("."):
+        # As the API says it: an empty domain would otherwise widen to the whole zone.
+        raise UsageError("domain: must not be empty: leave the field out to match any")
     if args.domain and args.id:
         # The API retries a whole message (its deferred recipients, every domain): refused
         # rather than silently retrying more than the operator asked for.
@@ -197,7 +200,10 @@ def _retry(api: ApiClient, args: argparse.Namespace) -> Result:
 
 def _hold(api: ApiClient, args: argparse.Namespace) -> Result:
     body = api.call("POST", _target(args, "hold"), json_body={"reason": args.reason})
-    return body, _counted("held")(body)
+    text = _counted("held")(body)
+    if body.get("on_return"):  # a message's hold: those on the wire are held afterwards
+        text += f"; {body['on_return']} on the wire, held when their attempt ends undelivered"
+    return body, text
 
 
 def _release(api: ApiClient, args: argparse.Namespace) -> Result:

@@ -57,6 +57,24 @@ class Queued(_Body):
     )
 
 
+def not_empty(value: str | None) -> str | None:
+    """A filter that is given must say something: an empty one matching nothing would be
+    a surprise, and matching anything (as a missing one does) a destructive one."""
+    if value is not None and not value.strip():
+        raise ValueError("must not be empty: leave the field out to match any")
+    return value
+
+
+def domain_filter(value: str | None) -> str | None:
+    """A domain to match: lower case, no trailing dot (RFC 1035's root), not empty."""
+    if value is None:
+        return None
+    domain = value.strip().lower().rstrip(".")
+    if not domain:
+        raise ValueError("must not be empty: leave the field out to match any")
+    return domain
+
+
 class Selection(_Body):
     """Which recipients a purge removes: every field given must match."""
 
@@ -65,9 +83,17 @@ class Selection(_Body):
     sender_domain: str | None = None
     recipient_domain: str | None = None
     older_than: str | None = Field(
-        default=None, description='queued longer ago than this: "90" (s), "15m", "2h", "3d"'
+        default=None,
+        description='queued longer ago than this: "90" (s), "15m", "2h", "3d"; under an hour,'
+        ' it is no filter on its own (it selects nearly everything): "all" is then required',
     )
-    all: bool = Field(default=False, description="required to purge with no filter at all")
+    all: bool = Field(
+        default=False,
+        description="required to purge with no filter at all (or with only an age under an hour)",
+    )
+
+    _zone = field_validator("zone", "older_than")(not_empty)
+    _domains = field_validator("sender_domain", "recipient_domain")(domain_filter)
 
 
 class HoldRequest(_Body):
@@ -90,6 +116,16 @@ class HoldRequest(_Body):
 
 class Count(_Body):
     count: int
+
+
+class HoldCount(_Body):
+    """A message's hold: held now, and on the wire to be held when their attempt ends."""
+
+    count: int = Field(description="recipients held now")
+    on_return: int = Field(
+        description="recipients on the wire now: held when their attempt ends undelivered"
+        " (deferred, or given back untried); delivered or bounced, they are done"
+    )
 
 
 class ZoneCounts(_Body):

@@ -102,10 +102,9 @@ def _submit_op(summary: str, body: dict[str, Any], *params: dict[str, Any]) -> d
     return operation
 
 
-def _message_op(summary: str, *, hold: bool = False) -> dict[str, Any]:
-    """retry, hold, release of one message: a count, or 409 when nothing applied."""
-    body = {JSON: {"schema": _ref(models.HoldRequest)}} if hold else None
-    return _op(summary, COUNT, params=(MSG_ID,), body=body, errors=(400, 404, 409, 503))
+def _message_op(summary: str) -> dict[str, Any]:
+    """retry, release of one message: a count, or 409 when nothing applied."""
+    return _op(summary, COUNT, params=(MSG_ID,), errors=(400, 404, 409, 503))
 
 
 ZONE_STATE: Final = _json(models.ZoneState, "the zone's pause state")
@@ -178,13 +177,20 @@ PATHS: Final[dict[str, dict[str, Any]]] = {
         )
     },
     "/api/v1/messages/{id}/retry": {
-        "post": _message_op("Deferred recipients of the message are ready now", hold=False)
+        "post": _message_op("Deferred recipients of the message are ready now")
     },
     "/api/v1/messages/{id}/hold": {
-        "post": _message_op("Hold the message's ready and deferred recipients", hold=True)
+        "post": _op(
+            "Hold the message's ready and deferred recipients now, and those on the wire when"
+            " their attempt ends undelivered; 409 when it has none of either",
+            _json(models.HoldCount, "held now (count), and to be held on return (on_return)"),
+            params=(MSG_ID,),
+            body=HOLD_BODY,
+            errors=(400, 404, 409, 503),
+        )
     },
     "/api/v1/messages/{id}/release": {
-        "post": _message_op("Release the message's held recipients: ready now", hold=False)
+        "post": _message_op("Release the message's held recipients: ready now")
     },
     "/api/v1/queue": {
         "get": _op("Counts per zone and state (O(1))", _json(models.QueueCounts, "counts"))
@@ -229,8 +235,8 @@ PATHS: Final[dict[str, dict[str, Any]]] = {
         "post": _op(
             "Deferred recipients of the zone (or of ?domain= in it) are ready now",
             COUNT,
-            params=(ZONE, _param("domain", "query", "only this destination domain")),
-            errors=(404, 503),
+            params=(ZONE, _param("domain", "query", "only this destination domain (not empty)")),
+            errors=(400, 404, 503),
         )
     },
     "/api/v1/zones/{zone}/hold": {
@@ -345,6 +351,7 @@ SCHEMAS: Final = (
     models.Selection,
     models.HoldRequest,
     models.Count,
+    models.HoldCount,
     models.QueueCounts,
     models.ZoneCounts,
     models.ZoneState,

@@ -7,12 +7,14 @@ message in a state the operation does not apply to (nothing held, nothing deferr
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from aiohttp import web
 
 from zoneq.api.browse import message_id
 from zoneq.api.context import context
 from zoneq.api.errors import BadRequest, Conflict, parse_body
-from zoneq.api.models import Count, HoldRequest, Selection, ZoneState
+from zoneq.api.models import Count, HoldCount, HoldRequest, Selection, ZoneState, domain_filter
 from zoneq.protocol.ids import format_id
 from zoneq.protocol.retry import parse_duration
 from zoneq.queue import admin
@@ -42,23 +44,28 @@ async def delete_message(request: web.Request) -> web.Response:
 async def purge(request: web.Request) -> web.Response:
     ctx = context(request)
     body = parse_body(Selection, await request.read())
-    older = None
+    age = None
     if body.older_than is not None:
         try:
-            older = ctx.clock() - parse_duration(body.older_than)
+            age = parse_duration(body.older_than)
         except ValueError as exc:
             raise BadRequest(f"older_than: {exc}") from None
     selection = admin.Selection(
         zone=body.zone,
         state=None if body.state is None else State(body.state),
-        sender_domain=body.sender_domain.lower().rstrip(".") if body.sender_domain else None,
-        recipient_domain=(
-            body.recipient_domain.lower().rstrip(".") if body.recipient_domain else None
-        ),
-        older_than_ms=older,
+        sender_domain=body.sender_domain,
+        recipient_domain=body.recipient_domain,
     )
     if selection.is_everything() and not body.all:
-        raise BadRequest('no filter given: send "all": true to purge the whole queue')
+        if age is None:
+            raise BadRequest('no filter given: send "all": true to purge the whole queue')
+        if age < admin.MIN_PURGE_AGE_MS:
+            raise BadRequest(
+                f"older_than: {body.older_than!r} is under an hour, so on its own it selects"
+                ' nearly the whole queue: add another filter, or send "all": true with it'
+            )
+    if age is not None:
+        selection = replace(selection, older_than_ms=ctx.clock() - age)
     return _count(await ctx.admin.purge(selection))
 
 
@@ -71,8 +78,10 @@ async def hold_message(request: web.Request) -> web.Response:
     msg_id = message_id(request)
     raw = await _optional(request)
     hold = parse_body(HoldRequest, raw) if raw else HoldRequest()
-    count = await context(request).admin.hold_message(msg_id, hold.reason)
-    return _changed(count, msg_id, "ready or deferred")
+    held = await context(request).admin.hold_message(msg_id, hold.reason)
+    if held.now == 0 and held.on_return == 0:
+        raise Conflict(f"message {format_id(msg_id)} has no ready, deferred or leased recipients")
+    return web.json_response(HoldCount(count=held.now, on_return=held.on_return).model_dump())
 
 
 async def release_message(request: web.Request) -> web.Response:
@@ -84,6 +93,11 @@ async def retry_zone(request: web.Request) -> web.Response:
     """Deferred recipients of the zone (``?domain=`` to narrow) are ready now."""
     ctx = context(request)
     domain = request.query.get("domain")
+    if domain is not None:
+        try:
+            domain = domain_filter(domain)
+        except ValueError as exc:  # "?domain=" must not widen to the whole zone
+            raise BadRequest(f"domain: {exc}") from None
     return _count(await ctx.admin.retry(request.match_info["zone"], domain))
 
 

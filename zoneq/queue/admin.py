@@ -12,7 +12,11 @@ The page read and the batch built from it happen with no ``await`` in between, s
 record is acted on in the state it was read in.
 
 Holds go through the queue service, because recipients it has leased ahead for its job queue
-must be given back before they can be held (a held recipient must not go out).
+must be given back before they can be held (a held recipient must not go out).  A zone's hold
+stops the service handing out (or leasing) the zone for the whole walk, else a worker's lease
+between two pages would take recipients the walk then passes over as leased.  A message's
+hold also holds its recipients on the wire once their attempt ends undelivered
+(``QueueService.hold``).
 """
 
 from __future__ import annotations
@@ -26,17 +30,28 @@ from typing import Final
 
 from zoneq.errors import NotFound
 from zoneq.protocol.ids import id_time_ms
-from zoneq.queue.service import QueueService
+from zoneq.queue.service import HoldCount, QueueService
 from zoneq.storage import keys
 from zoneq.storage.base import STATE_FAMILY, QueuedRecipient
 from zoneq.storage.records import Recipient, State, recipient_domain
 from zoneq.storage.store import QueueStore
 
-__all__ = ["QUEUED_STATES", "BadCursor", "BrowsePage", "QueueAdmin", "Selection"]
+__all__ = [
+    "MIN_PURGE_AGE_MS",
+    "QUEUED_STATES",
+    "BadCursor",
+    "BrowsePage",
+    "QueueAdmin",
+    "Selection",
+]
 
 QUEUED_STATES: Final = (State.READY, State.DEFERRED, State.HELD)
 DEFAULT_BATCH: Final = 1000
 HOLD_REASON: Final = "held by administrator"
+# An age under this is no filter on its own: a busy queue's backlog is minutes old, so
+# "older than 0" or "older than 5m" selects nearly all of it.  Below it, a purge with no
+# other filter needs the same explicit "all" as one with no filter at all.
+MIN_PURGE_AGE_MS: Final = 3_600_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +173,7 @@ class QueueAdmin:
     async def delete(self, msg_id: int, recipient: str | None = None) -> int:
         return await self.store.drop(msg_id, self.clock(), recipient)
 
-    async def hold_message(self, msg_id: int, reason: str = HOLD_REASON) -> int:
+    async def hold_message(self, msg_id: int, reason: str = HOLD_REASON) -> HoldCount:
         self.store.message(msg_id)  # NotFound for an unknown message
         return await self.service.hold(msg_id, reason)
 
@@ -176,16 +191,18 @@ class QueueAdmin:
 
     async def purge(self, selection: Selection) -> int:
         """Remove (no DSN) every queued recipient the selection matches; how many."""
-        zones = [self.check_zone(selection.zone)] if selection.zone else self.zones()
+        zones = [self.check_zone(selection.zone)] if selection.zone is not None else self.zones()
         states = [selection.state] if selection.state else list(QUEUED_STATES)
         senders = _SenderDomains(self.store)
 
         def pick(record: Recipient) -> bool:
-            if selection.recipient_domain and record.domain != selection.recipient_domain:
+            # "is not None": an empty filter matches nothing here, never everything (the
+            # API refuses one; this keeps a caller's slip from widening a purge).
+            wanted = selection.recipient_domain
+            if wanted is not None and record.domain != wanted:
                 return False
-            return not selection.sender_domain or senders(record.msg_id) == (
-                selection.sender_domain
-            )
+            sender = selection.sender_domain
+            return sender is None or senders(record.msg_id) == sender
 
         now = self.clock()
         purged = 0
@@ -203,8 +220,8 @@ class QueueAdmin:
     async def retry(self, zone: str | None = None, domain: str | None = None) -> int:
         """Deferred recipients of a zone (every zone if None), or of one destination domain
         in it, are ready at once: their delays are reset."""
-        zones = [self.check_zone(zone)] if zone else self.zones()
-        wanted = domain.lower().rstrip(".") if domain else None
+        zones = [self.check_zone(zone)] if zone is not None else self.zones()
+        wanted = None if domain is None else domain.lower().rstrip(".")
         moved = 0
         for name in zones:
             moved += await self._walk(
@@ -218,12 +235,12 @@ class QueueAdmin:
     async def hold_zone(self, zone: str, reason: str = HOLD_REASON) -> int:
         """Hold every ready and deferred recipient of a zone (those with a worker finish)."""
         self.check_zone(zone)
-        self.service.unqueue(zone)
         held = 0
-        for state in (State.READY, State.DEFERRED):
-            held += await self._walk(
-                zone, state, lambda _: True, lambda chosen: self.store.hold_many(chosen, reason)
-            )
+        with self.service.holding(zone):  # nothing of it leased between two pages
+            for state in (State.READY, State.DEFERRED):
+                held += await self._walk(
+                    zone, state, lambda _: True, lambda chosen: self.store.hold_many(chosen, reason)
+                )
         return held
 
     async def release_zone(self, zone: str) -> int:

@@ -44,7 +44,7 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final, NamedTuple
 
@@ -64,7 +64,7 @@ from zoneq.protocol.ids import format_id, id_time_ms
 from zoneq.protocol.replies import Reply, reply_from_text
 from zoneq.protocol.reply_rules import ReplyAction, rule_report
 from zoneq.protocol.retry import RetrySchedule
-from zoneq.queue.bounces import FULL_RETURN_LIMIT, HEADER_LIMIT, Failure, compose
+from zoneq.queue.bounces import FULL_RETURN_LIMIT, HEADER_LIMIT, Failure, any_wanted, compose
 from zoneq.queue.feedback import DomainFeedback
 from zoneq.queue.scheduler import DomainSlots, JobQueue, Planned, RateLimiter, plan_jobs
 from zoneq.storage.records import MessageMeta, Notice
@@ -78,6 +78,9 @@ DEFAULT_WINDOW: Final = 2000  # recipients leased ahead per zone
 RESCAN_S: Final = 1.0
 DEFAULT_DOMAIN_CONNECTIONS: Final = 10
 EXPIRED_STATUS: Final = "4.4.7"  # RFC 3463: delivery time expired
+# RFC 3463 X.3.0, with no remote reply: what a worker reports for a fault of its own
+# (``delivery/transport/abort.py``, ``LOCAL_ERROR``), a body it could not send whole included.
+LOCAL_FAULT_STATUS: Final = "4.3.0"
 
 
 class Result(enum.Enum):
@@ -126,6 +129,15 @@ class RecipientOutcome:
     source_ip: str | None = None
     possible_duplicate: bool = False
     category: str | None = None  # a failure's, decided by the core (``_judged``)
+
+
+@dataclass(frozen=True, slots=True)
+class HoldCount:
+    """What a message's hold did: recipients held now, and recipients on the wire that are
+    held when their attempt ends undelivered (``QueueService.hold``)."""
+
+    now: int
+    on_return: int
 
 
 @dataclass(slots=True)
@@ -202,6 +214,15 @@ class QueueService:
         self._notifying: set[asyncio.Future[None]] = set()
         store.on_ready = self._readied
         self._paused: set[str] = store.paused_zones()  # persisted by pause(); see the end
+        # Zones an administrator's hold is walking (``holding``), by how many holds walk it.
+        self._holding: dict[str, int] = {}
+        # Paused or being held: lease() hands out nothing of these.  One set, so the lease
+        # path pays one lookup for both.
+        self._stopped: set[str] = set(self._paused)
+        # Tokens in a worker's hands whose message an administrator held: their recipient is
+        # held when the attempt ends undelivered (``hold``); token -> the hold's reason.
+        self._hold_on_return: dict[int, str] = {}
+        self._returning: set[asyncio.Future[int | None]] = set()  # holds of a gone worker's leases
 
     @classmethod
     def from_config(
@@ -272,7 +293,7 @@ class QueueService:
         deadline = loop.time() + wait_ms / 1000
         while True:
             state.wake.clear()
-            jobs = [] if zone in self._paused else self._take(state, owner, max_jobs)
+            jobs = [] if zone in self._stopped else self._take(state, owner, max_jobs)
             remaining = deadline - loop.time()
             # A worker told to close idle connections hears of it now, not after the wait.
             if jobs or remaining <= 0 or state.slots.has_closing(owner):
@@ -461,7 +482,9 @@ class QueueService:
         refused: list[int] = []
         work: list[Awaitable[int | None]] = []
         failures: dict[int, list[tuple[int, Lease, Failure, Outcome, bool]]] = {}
+        deferrals: dict[int, list[tuple[int, Lease, Failure | None, Outcome, int]]] = {}
         told: list[tuple[Lease, RecipientOutcome, _Running]] = []
+        checked: dict[int, str | None] = {}  # msg_id -> why its body is damaged, or None
         for reported in outcomes:
             claimed = self._claim(owner, reported, kept)
             if claimed is None:
@@ -481,20 +504,18 @@ class QueueService:
                 size=running.size,
                 category=item.category,
             )
-            if item.result is Result.DELIVERED:
-                work.append(_guarded(item.token, self._store.complete(lease, now, outcome)))
-            elif item.result is Result.RETURNED:
-                try:
-                    self._store.release(lease)
-                    work.append(_done(item.token))
-                except LeaseError:
-                    refused.append(item.token)
+            settled = self._settled(lease, item, outcome, now)
+            if settled is not None:
+                work.append(_guarded(item.token, settled))
+            elif item.result is Result.DEFERRED and self._body_damaged(lease, item, checked):
+                work.append(self._quarantine_message(item.token, lease, checked))
             elif item.result is Result.DEFERRED:
                 next_at = self._next_attempt(lease, now)
                 if next_at is not None:
-                    notice = self._delay_notice(lease, item, now)
-                    defer = self._store.defer(lease, now, next_at, outcome, delay_notice=notice)
-                    work.append(_guarded(item.token, defer))
+                    # Grouped by message: one NOTIFY=DELAY notice per report (``_defer``).
+                    delay = self._delay_owed(lease, item, now)
+                    waiting = deferrals.setdefault(lease.recipient.msg_id, [])
+                    waiting.append((item.token, lease, delay, outcome, next_at))
                 else:
                     # The last temporary status stands (as Postfix reports it): X.4.7 and
                     # its kin are persistent transient failures (RFC 3463 section 3.5).
@@ -502,15 +523,17 @@ class QueueService:
                     failure = Failure(
                         lease.recipient, status, item.reply or "delivery time expired", item.mx
                     )
-                    group = failures.setdefault(lease.recipient.msg_id, [])
-                    group.append((item.token, lease, failure, outcome, True))
+                    failed = failures.setdefault(lease.recipient.msg_id, [])
+                    failed.append((item.token, lease, failure, outcome, True))
             else:
                 status = item.enhanced or "5.0.0"  # RFC 3463: permanent, no detail given
                 failure = Failure(lease.recipient, status, item.reply or None, item.mx)
-                group = failures.setdefault(lease.recipient.msg_id, [])
-                group.append((item.token, lease, failure, outcome, False))
+                failed = failures.setdefault(lease.recipient.msg_id, [])
+                failed.append((item.token, lease, failure, outcome, False))
         for msg_id, group in failures.items():
             work.extend(self._bounce(msg_id, group, now))
+        for msg_id, deferred in deferrals.items():
+            work.extend(self._defer(msg_id, deferred, now))
         done = await asyncio.gather(*work)
         accepted = [token for token in done if token is not None]
         refused.extend(item.token for item in outcomes if item.token not in accepted)
@@ -591,16 +614,16 @@ class QueueService:
         schedule = self._zone(record.zone).schedule
         return schedule.next_attempt(record.attempts + 1, id_time_ms(record.msg_id), now)
 
-    def _delay_notice(self, lease: Lease, item: RecipientOutcome, now: int) -> Notice | None:
-        """The NOTIFY=DELAY notice this deferral owes the sender, if any (one per recipient,
-        once it has waited ``routing.delay_warning``; RFC 3461 section 4.1)."""
+    def _delay_owed(self, lease: Lease, item: RecipientOutcome, now: int) -> Failure | None:
+        """The delay this deferral owes the sender a notice about, if any (once per
+        recipient, when it has waited ``routing.delay_warning``; RFC 3461 section 4.1)."""
         record = lease.recipient
         if record.delay_notified or "DELAY" not in {n.upper() for n in record.notify}:
             return None
         queued_at = id_time_ms(record.msg_id)
         if now - queued_at < self._config.routing.delay_warning_ms:
             return None
-        failure = Failure(
+        return Failure(
             record,
             status=item.enhanced or "4.0.0",
             diagnostic=item.reply or None,
@@ -608,21 +631,36 @@ class QueueService:
             action=Action.DELAYED,
             will_retry_until_ms=self._zone(record.zone).schedule.expires_at(queued_at),
         )
-        try:
-            meta = self._store.message(record.msg_id)
-            return compose(
-                meta,
-                [failure],
-                original_start=self._original_start(meta),
-                original_full=None,  # a delay notice returns the headers only
-                reporting_mta=self._hostname,
-                bounce_zone=self._config.routing.bounce_zone,
-                now_ms=now,
-            )
-        except (NotFound, StorageCorruption, StorageUnavailable):
-            # No notice without the message (gone, damaged, or the database closed): the
-            # deferral stands, and the next one owes the notice still.
-            return None
+
+    def _defer(
+        self, msg_id: int, group: list[tuple[int, Lease, Failure | None, Outcome, int]], now: int
+    ) -> list[Awaitable[int | None]]:
+        """Defer every recipient of one message in ``group``.  Those that owe the sender a
+        delay notice get one between them, listing them all (RFC 3464 allows any number of
+        per-recipient blocks): it rides in the batch of the first, and each is marked as
+        notified, so none is told twice."""
+        delays = [delay for _, _, delay, _, _ in group if delay is not None]
+        notice: Notice | None = None
+        if delays:
+            try:
+                meta = self._store.message(msg_id)
+                notice = self._notice(meta, delays, now, full=False)
+            except (NotFound, StorageCorruption, StorageUnavailable):
+                # No notice without the message (gone, damaged, or the database closed):
+                # the deferrals stand, and the next one owes the notice still.
+                pass
+        work: list[Awaitable[int | None]] = []
+        carried = False
+        for token, lease, delay, outcome, next_at in group:
+            held, with_notice = lease, None
+            if notice is not None and delay is not None:
+                if carried:  # listed in the notice another one carries: only the flag
+                    held = replace(lease, recipient=replace(lease.recipient, delay_notified=True))
+                else:
+                    with_notice, carried = notice, True
+            defer = self._store.defer(held, now, next_at, outcome, delay_notice=with_notice)
+            work.append(_guarded(token, defer))
+        return work
 
     def _bounce(
         self, msg_id: int, group: list[tuple[int, Lease, Failure, Outcome, bool]], now: int
@@ -632,15 +670,7 @@ class QueueService:
         notice: Notice | None = None
         try:
             meta = self._store.message(msg_id)
-            notice = compose(
-                meta,
-                [failure for _, _, failure, _, _ in group],
-                original_start=self._original_start(meta),
-                original_full=self._original_full(meta),
-                reporting_mta=self._hostname,
-                bounce_zone=self._config.routing.bounce_zone,
-                now_ms=now,
-            )
+            notice = self._notice(meta, [failure for _, _, failure, _, _ in group], now)
         except NotFound:
             log.warning("message %x vanished before its bounce could be written", msg_id)
         except StorageCorruption:
@@ -665,6 +695,70 @@ class QueueService:
             notice = None
         return work
 
+    def _notice(
+        self, meta: MessageMeta, failures: list[Failure], now: int, *, full: bool = True
+    ) -> Notice | None:
+        """The DSN for ``failures``, or None if none is owed.  The original is read only
+        when a notice will be sent: a ``<>`` sender or NOTIFY=NEVER costs no read of up to
+        ``FULL_RETURN_LIMIT`` on the event loop.  ``full=False``: headers only (a delay
+        notice)."""
+        if not any_wanted(meta, failures):
+            return None
+        whole = self._original_full(meta) if full else None
+        return compose(
+            meta,
+            failures,
+            original_start=whole if whole is not None else self._original_start(meta),
+            original_full=whole,
+            reporting_mta=self._hostname,
+            bounce_zone=self._config.routing.bounce_zone,
+            now_ms=now,
+        )
+
+    def _body_damaged(
+        self, lease: Lease, item: RecipientOutcome, checked: dict[int, str | None]
+    ) -> bool:
+        """Whether a worker's local fault was a damaged body (``checked`` remembers each
+        message's verdict for the rest of the report).
+
+        A worker that cannot send a body whole (a chunk missing, or fewer octets than the
+        message's size) closes the connection without the final dot and defers with a local
+        error; retried, it would fail the same way until the message expired.  So a local
+        fault makes the core check the stored body (a read of it, on this rare path only),
+        and a damaged one goes to quarantine (``_quarantine_message``) instead.
+        """
+        if item.code is not None or item.enhanced != LOCAL_FAULT_STATUS:
+            return False
+        msg_id = lease.recipient.msg_id
+        if msg_id not in checked:
+            try:
+                self._store.check_body(msg_id)
+                checked[msg_id] = None
+            except StorageCorruption as exc:  # quarantined (and logged) by the store
+                checked[msg_id] = exc.reason
+            except (NotFound, StorageUnavailable):
+                checked[msg_id] = None  # gone, or unknown for now: the deferral stands
+        return checked[msg_id] is not None
+
+    async def _quarantine_message(
+        self, token: int, lease: Lease, checked: dict[int, str | None]
+    ) -> int | None:
+        """Hold the message whose body is damaged, this recipient with the rest, with the
+        damage as the reason: out of circulation, kept for an operator to inspect, and
+        shown as held (``zoneq queue show``), where a deferral would retry it until it
+        expired.  The token if it was held."""
+        msg_id = lease.recipient.msg_id
+        reason = f"quarantined: damaged body ({checked[msg_id]})"
+        log.error("message %s: %s; held", format_id(msg_id), reason)
+        with contextlib.suppress(LeaseError):
+            self._store.release(lease)  # ready for the hold below (it holds what is not leased)
+        try:
+            await self.hold(msg_id, reason)
+        except (NotFound, StorageUnavailable) as exc:
+            log.warning("message %s: not held: %s", format_id(msg_id), exc)
+            return None
+        return token
+
     def _original_start(self, meta: MessageMeta) -> bytes:
         start = b""
         for index in range(meta.chunks):
@@ -680,19 +774,65 @@ class QueueService:
 
     # --- administration -------------------------------------------------------------------
 
-    async def hold(self, msg_id: int, reason: str = "held by administrator") -> int:
-        """Hold a message, including its recipients waiting here for a worker.
+    async def hold(self, msg_id: int, reason: str = "held by administrator") -> HoldCount:
+        """Hold a message whatever state its recipients are in, as Postfix's ``postsuper -h``
+        holds a message whatever queue it is in.
 
         The store holds only what is not leased, since a leased recipient may be on the
         wire; but those this service leased and has not handed out are not, so they are
-        given back first and held with the rest.  Recipients in flight finish their attempt.
+        given back first and held with the rest.  Recipients in flight finish their attempt:
+        delivered or bounced, they are done (a hold cannot call back a message the remote
+        has); deferred, returned, or left by a worker that went away, they are held, not
+        made ready (``_hold_at_end``).  That promise is written to disk before the answer
+        (``QueueStore.mark_hold_on_return``), so a restart mid-attempt holds them too.
         """
         for zone in self._zones.values():
             for job in zone.queue.remove(msg_id):
                 for lease in job.items:
                     with contextlib.suppress(LeaseError):
                         self._store.release(lease)
-        return await self._store.hold(msg_id, reason)
+        in_flight = [
+            lease
+            for lease, _ in self._leases.values()
+            if lease.recipient.msg_id == msg_id and self._store.holds(lease)
+        ]
+        for lease in in_flight:  # before the await: a report meanwhile is held already
+            self._hold_on_return[lease.token] = reason
+        if in_flight:
+            await self._store.mark_hold_on_return([lease.key for lease in in_flight], reason)
+        return HoldCount(await self._store.hold(msg_id, reason), len(in_flight))
+
+    def _settled(
+        self, lease: Lease, item: RecipientOutcome, outcome: Outcome, now: int
+    ) -> Awaitable[None] | None:
+        """The store's call that ends this attempt on its own: a delivery, a job given back
+        untried, or the hold of a message held while it was on the wire; None for a
+        deferral or a bounce (grouped by message: ``_defer``, ``_bounce``)."""
+        if self._hold_on_return:
+            hold = self._hold_at_end(lease, item, outcome, now)
+            if hold is not None:
+                return hold
+        if item.result is Result.DELIVERED:
+            return self._store.complete(lease, now, outcome)
+        if item.result is Result.RETURNED:
+            return _release(self._store, lease)
+        return None
+
+    def _hold_at_end(
+        self, lease: Lease, item: RecipientOutcome, outcome: Outcome, now: int
+    ) -> Awaitable[None] | None:
+        """The hold that ends this attempt, if an administrator held its message while it
+        was on the wire and it ended undelivered: deferred (its DEFERRED event written) or
+        returned.  None: it goes its usual way (delivered; bounced, or expired, whose DSN
+        is owed whatever the hold)."""
+        reason = self._hold_on_return.pop(item.token, None)
+        if reason is None:
+            return None
+        if item.result is Result.RETURNED:
+            return self._store.hold_leased(lease, reason, now)
+        if item.result is Result.DEFERRED and self._next_attempt(lease, now) is not None:
+            return self._store.hold_leased(lease, reason, now, outcome)
+        return None
 
     # --- bodies and connections -----------------------------------------------------------
 
@@ -707,6 +847,13 @@ class QueueService:
         ]
         for token in mine:
             lease = self._finish(token)
+            reason = self._hold_on_return.pop(token, None)
+            if reason is not None:  # its message was held meanwhile: held, not ready
+                hold = self._store.hold_leased(lease, reason, self._clock())
+                task = asyncio.ensure_future(_guarded(token, hold))
+                self._returning.add(task)
+                task.add_done_callback(self._returning.discard)
+                continue
             with contextlib.suppress(LeaseError):  # revoked meanwhile (dropped by an admin)
                 self._store.release(lease)
         for zone in self._zones.values():
@@ -774,16 +921,40 @@ class QueueService:
                     returned += 1
         return returned
 
+    @contextlib.contextmanager
+    def holding(self, zone: str) -> Iterator[None]:
+        """Hand out nothing of ``zone`` while an administrator's hold walks it.
+
+        The walk awaits between pages; a lease in between would refill the job queue with
+        records the walk then passes over as leased, and hand them out after it.  So the
+        zone's queued jobs go back to the store first (``unqueue``), and nothing is leased
+        until the walk is over; jobs already with a worker finish.
+        """
+        self._holding[zone] = self._holding.get(zone, 0) + 1
+        self._stopped.add(zone)
+        try:
+            self.unqueue(zone)
+            yield
+        finally:
+            if self._holding[zone] > 1:
+                self._holding[zone] -= 1
+            else:
+                del self._holding[zone]
+            self._stopped = self._paused | self._holding.keys()
+            self._wake(zone)
+
     async def pause(self, zone: str) -> None:
         """Stop handing out ``zone``'s work (new mail for it still queues); persisted, so the
         pause outlives a restart.  Jobs already with a worker finish."""
         await self._store.set_paused(zone, True)
         self._paused.add(zone)
+        self._stopped.add(zone)
         self.unqueue(zone)
 
     async def resume(self, zone: str) -> None:
         await self._store.set_paused(zone, False)
         self._paused.discard(zone)
+        self._stopped = self._paused | self._holding.keys()
         self._wake(zone)
 
     def paused(self) -> frozenset[str]:
@@ -841,6 +1012,12 @@ async def _guarded(token: int, operation: Awaitable[None]) -> int | None:
         await operation
     except LeaseError:
         return None
+    except (NotFound, StorageCorruption) as exc:
+        # The message is damaged (the store quarantined what it could not read): this
+        # outcome is refused, the rest of the report stands, and the worker goes on.  Its
+        # lease stays with the core, so the recipient is not sent again before a restart.
+        log.error("report of lease %d not written, its message is damaged: %s", token, exc)
+        return None
     except StorageUnavailable as exc:
         log.warning(
             "report of lease %d not written, queue storage unavailable: %s",
@@ -852,5 +1029,6 @@ async def _guarded(token: int, operation: Awaitable[None]) -> int | None:
     return token
 
 
-async def _done(token: int) -> int | None:
-    return token
+async def _release(store: QueueStore, lease: Lease) -> None:
+    """A job given back untried: ready again (``LeaseError`` if revoked: refused)."""
+    store.release(lease)

@@ -458,7 +458,11 @@ class StoreBase:
         value = self._writer.read(head_key)
         if value is None:
             raise NotFound(f"message {format_id(msg_id)} has no head")
-        return decode_head(head_key, value)
+        try:
+            return decode_head(head_key, value)
+        except StorageCorruption as exc:
+            self._quarantine(exc)  # reported once, kept on disk for the operator
+            raise
 
     def _recipients_gone(self, msg_id: int, head: tuple[int, int], gone: int = 1) -> list[Op]:
         """Writes for ``gone`` recipients leaving the queue: the head's count, or the message."""

@@ -12,6 +12,15 @@ the state it is removed from, and the O(1) counters stay exact.
 
 Paused zones are store-wide values in the ``meta`` family (``meta "paused-zone" <zone>``),
 so a pause survives a restart; the queue service consults them before handing out work.
+
+Holds that wait for an attempt: a hold cannot move a recipient that is on the wire (its
+worker's report must still find it ready), so the queue service holds it when its attempt
+ends without a delivery (``QueueService.hold``).  That promise is kept in memory by the
+service, and on disk here as ``meta "hold-on-return" <ready key>`` -> reason, written
+(synced) before the hold answers: a lease does not survive a restart, so without it a core
+that stopped mid-attempt would make the recipient ready again and send a message the
+administrator held.  At start-up (``recover``) every marked recipient still ready is held;
+a mark whose recipient was delivered or bounced meanwhile is just removed.
 """
 
 from __future__ import annotations
@@ -27,10 +36,16 @@ from zoneq.storage.leveldb import Op
 from zoneq.storage.records import MessageMeta, State
 
 _PAUSED = keys.meta("paused-zone")
+HOLD_MARKS = keys.meta("hold-on-return")  # + a ready key -> the hold's reason
 
 
 def _paused_key(zone: str) -> bytes:
     return _PAUSED + keys.text(zone)
+
+
+def hold_mark_key(ready_key: bytes) -> bytes:
+    """The mark of a leased recipient to hold when its attempt ends (see the top)."""
+    return HOLD_MARKS + ready_key
 
 
 class BulkMixin(StoreBase):
@@ -133,3 +148,12 @@ class BulkMixin(StoreBase):
             zone, _ = keys.split_text(key, len(_PAUSED))
             found.add(zone)
         return found
+
+    # --- holds that wait for an attempt to end ------------------------------------------
+
+    async def mark_hold_on_return(self, leased: Sequence[bytes], reason: str) -> None:
+        """Remember on disk (synced: the administrator is told they will be held) that the
+        leased records at these ready keys are to be held when their attempt ends."""
+        self._check()
+        value = reason.encode()
+        await self._writer.submit([(hold_mark_key(key), value) for key in leased], sync=True)

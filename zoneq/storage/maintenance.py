@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import msgpack
 
@@ -12,9 +13,11 @@ from zoneq.protocol.events import Event
 from zoneq.protocol.ids import COUNTER_BITS, id_time_ms
 from zoneq.storage import keys
 from zoneq.storage.base import FAMILY_STATE, StoreBase, log
+from zoneq.storage.bulk import HOLD_MARKS
 from zoneq.storage.counters import MESSAGES, domain_key, zone_key
 from zoneq.storage.leveldb import Op
 from zoneq.storage.records import (
+    State,
     recipient_domain,
 )
 
@@ -49,7 +52,35 @@ class MaintenanceMixin(StoreBase):
         orphans = self._orphans(lambda msg_id: msg_id not in self._receiving)
         if orphans:
             self._db.write(orphans, sync=True)
+        if receiving is None:
+            # A start, not a reopen: no lease is out, so a hold that waited for an attempt
+            # the stop cut off is due now (``bulk.py``).  After a reopen the leases stay
+            # out and the service still holds them when they end.
+            held = self._hold_marked()
+            if held:
+                log.info("held %d recipient(s) whose hold waited for an attempt", held)
         return sum(1 for key, _ in orphans if key.startswith(keys.RECEIVING))
+
+    def _hold_marked(self) -> int:
+        """At start-up, before any lease: hold every marked recipient that is still ready
+        (its attempt was cut off by the stop), and remove every mark; how many were held."""
+        ops: list[Op] = []
+        moved = 0
+        for mark, reason in self._db.items(prefix=HOLD_MARKS):
+            ops.append((mark, None))
+            ready_key = mark[len(HOLD_MARKS) :]
+            value = self._db.get(ready_key)
+            record = None if value is None else self._decode_record(ready_key, value)
+            if record is None:
+                continue  # delivered, bounced, deferred-then-held or dropped since
+            on_hold = replace(record, hold_reason=reason.decode(errors="replace"))
+            held_key = keys.record(keys.HELD, record.zone, record.msg_id, record.address)
+            ops.extend([(ready_key, None), (held_key, on_hold.encode())])
+            self._counters.move(record.zone, record.domain, State.READY, State.HELD)
+            moved += 1
+        if ops:
+            self._db.write([*ops, *self._seal()], sync=True)
+        return moved
 
     async def sweep(self, now_ms: int, receive_timeout_ms: int) -> int:
         """Remove the chunks of messages that never committed and are older than the timeout."""

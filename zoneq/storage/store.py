@@ -5,11 +5,11 @@ Theory of operation
 The layout is ZoneMTA's (see ``keys.py``): a body as ordered chunk keys, a ``#`` head and a
 ``*`` metadata key per message, one record per (zone, message, recipient).  The lifecycle is
 Kannader's: ``begin`` / ``write_chunk`` while DATA streams, ``commit`` before the ``250``,
-``lease`` to a worker, then exactly one of ``complete``, ``defer``, ``bounce`` or ``release``
-for the lease; ``drop``, ``hold``, ``unhold`` and ``retry_now`` for administrators;
-``promote_due`` to bring deferred recipients back; ``recover`` and ``sweep`` for garbage.
-Every transition is one atomic batch (through :class:`GroupWriter`) that also writes its
-events and counter changes.
+``lease`` to a worker, then exactly one of ``complete``, ``defer``, ``bounce``, ``release``
+or ``hold_leased`` for the lease; ``drop``, ``hold``, ``unhold`` and ``retry_now`` for
+administrators; ``promote_due`` to bring deferred recipients back; ``recover`` and ``sweep``
+for garbage.  Every transition is one atomic batch (through :class:`GroupWriter`) that also
+writes its events and counter changes.
 
 One departure from ZoneMTA: a recipient's record lives in exactly one of three families by
 state, ``delivery-zone`` (ready), ``deferred`` (plus a ``due`` index by next-attempt time) and
@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from zoneq.errors import NotFound, StorageCorruption
 from zoneq.protocol.events import EventKind, event_record
 from zoneq.protocol.ids import format_id, id_time_ms
 from zoneq.storage import keys
@@ -52,7 +54,7 @@ from zoneq.storage.base import (
     ready_prefix,
     run_all,
 )
-from zoneq.storage.bulk import BulkMixin
+from zoneq.storage.bulk import BulkMixin, hold_mark_key
 from zoneq.storage.counters import MESSAGES, domain_key, zone_key
 from zoneq.storage.held import Held, HeldMixin, notice_size
 from zoneq.storage.leveldb import Database, Op
@@ -69,6 +71,8 @@ from zoneq.storage.records import (
 )
 from zoneq.storage.space import SpaceGuard
 from zoneq.storage.writer import GroupWriter
+
+log = logging.getLogger("zoneq.storage")
 
 
 class LeaseScan(list[Lease]):
@@ -381,12 +385,13 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         if self._hold_if_failed(held):
             return
         self._current(lease)  # a stale lease is refused before anything else is looked at
-        head = self._read_head(lease.recipient.msg_id)
+        head = self._outcome_head(lease)
         record = lease.recipient.after_attempt(now_ms, outcome.reply)
         ops: list[Op] = [(lease.key, None)]
         ops.append(self._outcome_event(EventKind.DELIVERED, record, now_ms, outcome))
         self._counters.move(record.zone, record.domain, State.READY, None)
-        ops.extend(self._recipients_gone(record.msg_id, head))
+        if head is not None:
+            ops.extend(self._recipients_gone(record.msg_id, head))
         await self._write_outcome(held, ops, sync=False)
 
     async def defer(
@@ -431,6 +436,29 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             effect=run_all(effects) if len(effects) > 1 else effects[0],
         )
 
+    async def hold_leased(
+        self, lease: Lease, reason: str, now_ms: int, outcome: Outcome | None = None
+    ) -> None:
+        """End a lease by holding its recipient: an administrator held its message while it
+        was on the wire, and the attempt did not deliver it (``outcome``: the deferral, with
+        its DEFERRED event; None: returned untried).  Removes the hold's mark (``bulk.py``).
+        """
+        held = Held(lease, functools.partial(self.hold_leased, lease, reason, now_ms, outcome))
+        if self._hold_if_failed(held):
+            return
+        self._current(lease)
+        record = lease.recipient
+        if outcome is not None:
+            record = record.after_attempt(now_ms, outcome.reply)
+        record = replace(record, hold_reason=reason)
+        held_key = keys.record(keys.HELD, record.zone, record.msg_id, record.address)
+        ops: list[Op] = [(lease.key, None), (held_key, record.encode())]
+        ops.append((hold_mark_key(lease.key), None))
+        if outcome is not None:
+            ops.append(self._outcome_event(EventKind.DEFERRED, record, now_ms, outcome))
+        self._counters.move(record.zone, record.domain, State.READY, State.HELD)
+        await self._write_outcome(held, ops, sync=False)
+
     async def bounce(
         self,
         lease: Lease,
@@ -452,19 +480,71 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         if self._hold_if_failed(held):
             return
         self._current(lease)  # a stale lease is refused before anything else is looked at
-        head = self._read_head(lease.recipient.msg_id)
+        head = self._outcome_head(lease)
         record = lease.recipient.after_attempt(now_ms, outcome.reply)
         kind = EventKind.EXPIRED if expired else EventKind.BOUNCED
         ops: list[Op] = [(lease.key, None)]
         ops.append(self._outcome_event(kind, record, now_ms, outcome))
         self._counters.move(record.zone, record.domain, State.READY, None)
-        ops.extend(self._recipients_gone(record.msg_id, head))
+        if head is not None:
+            ops.extend(self._recipients_gone(record.msg_id, head))
         effect = None
         if notice is not None:
             notice_ops, ready = self._notice_ops(notice, now_ms)
             ops.extend(notice_ops)
             effect = self._readied(ready)
         await self._write_outcome(held, ops, sync=notice is not None, effect=effect)
+
+    def _outcome_head(self, lease: Lease) -> tuple[int, int] | None:
+        """The head of the message a final outcome is about, or None if it is missing or
+        corrupt (quarantined: reported once, and kept on disk for an operator).
+
+        The outcome is written all the same: the recipient was delivered (or bounced) and
+        must leave the queue with its event, or it would be sent again after every restart
+        (a lease the store kept, a report that failed, a worker that died of it).  Only the
+        count of recipients left goes unwritten, so the message's other keys stay after
+        its last recipient, in quarantine, for the operator to inspect and delete.
+        """
+        msg_id = lease.recipient.msg_id
+        try:
+            return self._read_head(msg_id)
+        except NotFound:
+            self._quarantine(StorageCorruption(keys.message_head(msg_id), "missing"))
+        except StorageCorruption:
+            pass  # quarantined by _read_head
+        log.error(
+            "message %s: its head is damaged; the outcome for %s is written, the message "
+            "stays in quarantine",
+            format_id(msg_id),
+            lease.recipient.address,
+        )
+        return None
+
+    def check_body(self, msg_id: int) -> None:
+        """Raise ``StorageCorruption`` (quarantined) if the stored body is not whole: a chunk
+        missing, or the chunks' lengths not adding up to the metadata's ``size`` (a torn or
+        lost write; chunks carry no checksum, so a length is what can be checked).
+
+        Reads the whole body: for a worker's local fault only (``QueueService.report``),
+        never on the delivery path.  ``NotFound`` if the message is gone.
+        """
+        meta = self.message(msg_id)
+        stored = 0
+        for index in range(meta.chunks):
+            key = keys.message_chunk(msg_id, index)
+            value = self._writer.read(key)
+            if value is None:
+                error = StorageCorruption(key, f"chunk {index} of {meta.chunks} is missing")
+                break
+            stored += len(value)
+        else:
+            if stored == meta.size:
+                return
+            error = StorageCorruption(
+                keys.message_meta(msg_id), f"body is {stored} octets, not {meta.size}"
+            )
+        self._quarantine(error)
+        raise error
 
     def _notice_ops(self, notice: Notice, now_ms: int) -> tuple[list[Op], dict[str, bytes]]:
         """A generated message (a DSN), whole: it is small, so it goes in one batch."""

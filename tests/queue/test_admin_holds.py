@@ -1,0 +1,227 @@
+"""Administrators' holds against workers that keep leasing and reporting, on a real store.
+
+A zone's hold walks the zone a page at a time with the event loop free in between; no lease
+may take recipients of the zone meanwhile.  A message's hold also covers its recipients on
+the wire: delivered or bounced they are done, but an attempt that ends any other way
+(deferred, given back, the worker gone, the core restarted) leaves them held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from tests.queue.test_service import Clock, service_for
+from tests.storage.conftest import (
+    MINUTE,
+    T0,
+    StoreFactory,
+    assert_consistent,
+    async_test,
+    queue_message,
+)
+from zoneq.protocol.events import EventKind
+from zoneq.queue.admin import QueueAdmin
+from zoneq.queue.service import HoldCount, Job, QueueService, RecipientOutcome, Result
+from zoneq.storage import keys
+from zoneq.storage.records import State
+from zoneq.storage.store import QueueStore
+
+Z = "default"
+DAY = 24 * 60 * MINUTE
+
+
+def counts(store: QueueStore) -> dict[str, int]:
+    return {state.value: store.count(Z, state) for state in State}
+
+
+def recipients(jobs: list[Job]) -> int:
+    return sum(len(job.recipients) for job in jobs)
+
+
+@async_test
+async def test_a_zone_hold_hands_nothing_out_during_its_walk(store: QueueStore) -> None:
+    """2,000 recipients over 20 domains, walked in pages of 100 while a worker asks for a
+    job at every turn of the loop: only the job it had before the hold goes out."""
+    clock = Clock()
+    service = service_for(store, clock, window=500)
+    admin = QueueAdmin(store, service, [Z], clock=clock, batch=100)
+    for n in range(20):
+        await queue_message(store, [(f"u{i}@d{n}.test", Z) for i in range(100)], now_ms=T0 + n)
+    before = await service.lease(Z, "w1", max_jobs=1)  # in the worker's hands: it finishes
+    hold = asyncio.ensure_future(admin.hold_zone(Z))
+    await asyncio.sleep(0)  # the walk has begun
+    during: list[Job] = []
+    turns = 0
+    while not hold.done():
+        during += await service.lease(Z, "w1", max_jobs=1)
+        turns += 1
+        await asyncio.sleep(0)
+    assert turns > 10  # the worker really asked while the walk went on
+    assert during == []
+    assert await hold == 2000 - recipients(before)
+    assert await service.lease(Z, "w2", max_jobs=1000) == []
+    assert counts(store) == {"ready": 50, "leased": 50, "deferred": 0, "held": 1950}
+    await assert_consistent(store)
+
+
+@async_test
+async def test_a_zone_hold_leaves_nothing_leased_to_the_core(store: QueueStore) -> None:
+    """One domain with one connection: a lease during the walk used to refill the core's
+    job queue, and those recipients went out after the hold answered."""
+    clock = Clock()
+    service = service_for(store, clock, domain_connections=1)
+    admin = QueueAdmin(store, service, [Z], clock=clock, batch=100)
+    for n in range(10):
+        await queue_message(store, [(f"u{i}@one.test", Z) for i in range(100)], now_ms=T0 + n)
+    hold = asyncio.ensure_future(admin.hold_zone(Z))
+    await asyncio.sleep(0)  # the walk has held its first page and yielded
+    assert await service.lease(Z, "w1", max_jobs=1) == []
+    assert await hold == 1000
+    assert service._zones[Z].queue.recipients() == 0
+    assert store.leased(Z) == 0
+    assert await service.lease(Z, "w1", max_jobs=100) == []
+    await assert_consistent(store)
+
+
+@async_test
+async def test_a_zone_hands_out_again_after_its_hold_but_not_while_paused(
+    store: QueueStore,
+) -> None:
+    """The hold's stop ends with the walk (new mail goes out), and neither a resume during
+    the walk nor the walk's end lifts an administrator's pause."""
+    clock = Clock()
+    service = service_for(store, clock)
+    admin = QueueAdmin(store, service, [Z], clock=clock, batch=10)
+    for n in range(5):
+        await queue_message(store, [(f"u{i}@d{n}.test", Z) for i in range(10)], now_ms=T0 + n)
+    hold = asyncio.ensure_future(admin.hold_zone(Z))
+    await asyncio.sleep(0)
+    await admin.resume(Z)  # not paused: the walk still stops the zone
+    assert await service.lease(Z, "w1", max_jobs=5) == []
+    assert await hold == 50
+    await queue_message(store, [("late@new.test", Z)])
+    (job,) = await service.lease(Z, "w1", max_jobs=5)  # mail queued after the hold's walk
+    assert [r.address for r in job.recipients] == ["late@new.test"]
+    await service.report("w1", [RecipientOutcome(job.recipients[0].token, Result.RETURNED)])
+    await admin.pause(Z)
+    await admin.hold_zone(Z)
+    await queue_message(store, [("later@new.test", Z)])
+    assert await service.lease(Z, "w1", max_jobs=5) == []  # still paused
+    await admin.resume(Z)
+    assert recipients(await service.lease(Z, "w1", max_jobs=5)) == 1
+    await assert_consistent(store)
+
+
+def deferred(job: Job) -> list[RecipientOutcome]:
+    return [
+        RecipientOutcome(r.token, Result.DEFERRED, reply="451 4.3.0 later", code=451)
+        for r in job.recipients
+    ]
+
+
+def returned(job: Job) -> list[RecipientOutcome]:
+    return [RecipientOutcome(r.token, Result.RETURNED) for r in job.recipients]
+
+
+async def report(service: QueueService, outcomes: list[RecipientOutcome]) -> None:
+    accepted, refused = await service.report("w1", outcomes)
+    assert refused == [] and len(accepted) == len(outcomes)
+
+
+Ending = Callable[[QueueService, Job], Awaitable[None]]
+
+
+async def defer_it(service: QueueService, job: Job) -> None:
+    await report(service, deferred(job))
+
+
+async def return_it(service: QueueService, job: Job) -> None:
+    await report(service, returned(job))
+
+
+async def disconnect(service: QueueService, job: Job) -> None:
+    assert service.disconnected("w1") == len(job.recipients)
+    await asyncio.sleep(0)  # the hold of a gone worker's leases is a task of its own
+
+
+@pytest.mark.parametrize(
+    ("ending", "attempted"),
+    [(defer_it, True), (return_it, False), (disconnect, False)],
+    ids=["deferred", "returned", "worker gone"],
+)
+@async_test
+async def test_a_message_hold_holds_its_recipients_on_the_wire_when_they_come_back(
+    store: QueueStore, ending: Ending, attempted: bool
+) -> None:
+    clock = Clock()
+    service = service_for(store, clock)
+    admin = QueueAdmin(store, service, [Z], clock=clock)
+    msg = await queue_message(store, [("a@one.test", Z), ("b@two.test", Z)])
+    (job, waiting) = await service.lease(Z, "w1", max_jobs=2)
+    await report(service, returned(waiting))  # b is ready again: held at once
+    assert await admin.hold_message(msg, "complaint #9") == HoldCount(now=1, on_return=1)
+    await ending(service, job)
+    await store.drain()
+    assert counts(store) == {"ready": 0, "leased": 0, "deferred": 0, "held": 2}
+    (a,) = [q.recipient for q in store.recipients(msg) if q.recipient.address == "a@one.test"]
+    assert (a.hold_reason, a.attempts, a.next_attempt_ms) == ("complaint #9", int(attempted), 0)
+    kinds = [event.kind for _, event in store.events()]
+    assert kinds.count(EventKind.DEFERRED) == int(attempted)  # the attempt is on record
+    clock.now = T0 + DAY
+    await service.promote_due()
+    assert await service.lease(Z, "w1", max_jobs=5) == []  # held: nothing goes out
+    await assert_consistent(store)
+
+
+@pytest.mark.parametrize("result", [Result.DELIVERED, Result.BOUNCED])
+@async_test
+async def test_a_delivered_or_bounced_recipient_on_the_wire_is_done(
+    stores: StoreFactory, result: Result
+) -> None:
+    store = stores.open()
+    clock = Clock()
+    service = service_for(store, clock)
+    msg = await queue_message(store, [("a@one.test", Z), ("b@one.test", Z)])
+    (job,) = await service.lease(Z, "w1", max_jobs=1)
+    assert await service.hold(msg) == HoldCount(now=0, on_return=2)
+    reply = "550 5.1.1 no such user" if result is Result.BOUNCED else "250 ok"
+    await report(service, [RecipientOutcome(r.token, result, reply=reply) for r in job.recipients])
+    await store.drain()
+    assert counts(store) == {"ready": 0, "leased": 0, "deferred": 0, "held": 0}
+    await assert_consistent(store)
+    # The hold's marks on disk outlive the outcome; a restart finds nothing to hold.
+    await store.close()
+    again = stores.open()
+    assert {state.value: again.count(Z, state) for state in State}["held"] == 0
+    assert not [k for k in again.database.keys(prefix=keys.META) if b"hold-on-return" in k]
+
+
+@async_test
+async def test_a_restart_mid_attempt_keeps_the_hold(stores: StoreFactory) -> None:
+    """A lease does not survive a restart: the recipient of a message held while it was on
+    the wire would be ready again, and go out.  The hold's mark on disk holds it."""
+    store = stores.open()
+    clock = Clock()
+    service = service_for(store, clock)
+    msg = await queue_message(store, [("a@one.test", Z), ("b@two.test", Z)])
+    jobs = await service.lease(Z, "w1", max_jobs=2)
+    assert recipients(jobs) == 2
+    assert await service.hold(msg, "legal") == HoldCount(now=0, on_return=2)
+    await store.close()  # the core stops with both attempts unreported
+    again = stores.open()
+    assert {state.value: again.count(Z, state) for state in State} == {
+        "ready": 0,
+        "leased": 0,
+        "deferred": 0,
+        "held": 2,
+    }
+    assert {q.recipient.hold_reason for q in again.recipients(msg)} == {"legal"}
+    assert await service_for(again, clock).lease(Z, "w1", max_jobs=5) == []
+    await assert_consistent(again)
+    await again.close()
+    third = stores.open()  # the marks went with the move: nothing is held twice
+    assert third.count(Z, State.HELD) == 2
+    await assert_consistent(third)

@@ -1,0 +1,160 @@
+"""Damaged stored messages, as a real store on disk holds them after a torn or lost write:
+never delivered cut short, never sent again after a restart, and never the end of a report.
+
+Messages are queued with the store's own helpers, the store is closed, the damage is
+written with plyvel (``corrupt_key``: a lost ``#`` head, a garbage one, a short or missing
+body chunk), and the store is opened again, as ``zoneq serve`` would find it after a crash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from tests.queue.test_service import BOUNCES, Clock, Z, outcome, service_for
+from tests.reliability.test_corruption import corrupt_key
+from tests.storage.conftest import async_test, queue_message
+from zoneq.protocol.events import EventKind
+from zoneq.queue.service import Result
+from zoneq.storage import keys
+from zoneq.storage.records import State
+from zoneq.storage.store import QueueStore
+
+GARBAGE = b"\xc1\xff not a head \x00"  # 0xc1 is never valid msgpack
+BODY = (b"From: a@example.org\r\nSubject: damaged\r\n\r\n", b"line one\r\n" * 20)
+LOCAL_FAULT = {"reply": "reading the message body failed", "enhanced": "4.3.0"}
+
+
+def damage(path: Path, writes: Mapping[bytes, bytes | None]) -> None:
+    """Overwrite (or, for None, delete) keys of a closed store, as a bad disk would."""
+    for key, value in writes.items():
+        corrupt_key(path, key, value)
+
+
+def reopen(path: Path) -> QueueStore:
+    store = QueueStore.open(path)
+    store.recover()
+    return store
+
+
+async def queued(path: Path, *messages: list[tuple[str, str]]) -> list[int]:
+    store = reopen(path)
+    try:
+        return [await queue_message(store, rcpts, body=BODY) for rcpts in messages]
+    finally:
+        await store.close()
+
+
+def events_of(store: QueueStore, msg_id: int) -> list[tuple[EventKind, str]]:
+    mid = f"{msg_id:016x}"
+    return [(e.kind, e.recipient) for _, e in store.events() if e.message_id == mid]
+
+
+@async_test
+async def test_a_delivery_whose_message_lost_its_head_is_recorded_and_not_sent_again(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "queue"
+    headless, whole = await queued(
+        path, [("a@one.test", Z), ("b@one.test", Z)], [("c@two.test", Z)]
+    )
+    damage(path, {keys.message_head(headless): None})
+    store = reopen(path)
+    service = service_for(store, Clock())
+    jobs = await service.lease(Z, "w1", max_jobs=2)
+    assert sorted(job.msg_id for job in jobs) == [headless, whole]  # its ``*`` reads fine
+    report = [item for job in jobs for item in outcome(job, Result.DELIVERED, reply="250 ok")]
+    accepted, refused = await service.report("w1", report)
+    # The whole report stands: the damaged message's outcomes with the rest.
+    assert (sorted(accepted), refused) == (sorted(item.token for item in report), [])
+    await store.drain()
+    assert store.leased() == 0 and store.count(Z, State.READY) == 0
+    assert sorted(events_of(store, headless))[-2:] == [
+        (EventKind.DELIVERED, "a@one.test"),
+        (EventKind.DELIVERED, "b@one.test"),
+    ]
+    assert keys.message_head(headless) in [q.key for q in store.quarantined]
+    assert store.message(headless).msg_id == headless  # kept, in quarantine, for an operator
+    await store.close()
+    # A restart finds nothing of it to send again.
+    store = reopen(path)
+    try:
+        assert await service_for(store, Clock()).lease(Z, "w1") == []
+    finally:
+        await store.close()
+
+
+@async_test
+async def test_a_bounce_whose_message_has_a_garbage_head_is_recorded_with_its_dsn(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "queue"
+    (msg_id,) = await queued(path, [("a@one.test", Z)])
+    damage(path, {keys.message_head(msg_id): GARBAGE})
+    store = reopen(path)
+    try:
+        service = service_for(store, Clock())
+        (job,) = await service.lease(Z, "w1")
+        bounced = outcome(job, Result.BOUNCED, reply="550 5.1.1 no such user", code=550)
+        accepted, _ = await service.report("w1", bounced)
+        assert accepted == [job.recipients[0].token]
+        await store.drain()
+        assert store.count(Z, State.READY) == 0 and store.leased() == 0
+        assert (EventKind.BOUNCED, "a@one.test") in events_of(store, msg_id)
+        assert store.count(BOUNCES, State.READY) == 1  # the sender still gets the DSN
+        assert [q.key for q in store.quarantined] == [keys.message_head(msg_id)]
+    finally:
+        await store.close()
+
+
+@async_test
+async def test_a_local_fault_on_a_short_or_missing_chunk_quarantines_the_message(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "queue"
+    short, missing, whole = await queued(
+        path, [("a@one.test", Z)], [("b@two.test", Z)], [("c@three.test", Z)]
+    )
+    damage(
+        path,
+        {keys.message_chunk(short, 1): BODY[1][:25], keys.message_chunk(missing, 1): None},
+    )
+    store = reopen(path)
+    try:
+        service = service_for(store, Clock())
+        jobs = await service.lease(Z, "w1", max_jobs=3)
+        assert len(jobs) == 3
+        report = [item for job in jobs for item in outcome(job, Result.DEFERRED, **LOCAL_FAULT)]
+        accepted, _ = await service.report("w1", report)
+        assert len(accepted) == 3
+        await store.drain()
+        # The damaged two are held (out of circulation, kept), the whole one deferred.
+        assert store.count(Z, State.HELD) == 2
+        assert store.count(Z, State.DEFERRED) == 1
+        (deferred,) = store.browse(Z, State.DEFERRED)[0]
+        assert deferred.msg_id == whole
+        for msg_id in (short, missing):
+            (queued_rcpt,) = store.recipients(msg_id)
+            assert queued_rcpt.recipient.hold_reason.startswith("quarantined: damaged body")
+        quarantined = {q.key for q in store.quarantined}
+        assert quarantined == {keys.message_meta(short), keys.message_chunk(missing, 1)}
+    finally:
+        await store.close()
+
+
+@async_test
+async def test_a_remote_deferral_does_not_read_the_body(tmp_path: Path) -> None:
+    path = tmp_path / "queue"
+    (msg_id,) = await queued(path, [("a@one.test", Z)])
+    damage(path, {keys.message_chunk(msg_id, 1): None})
+    store = reopen(path)
+    try:
+        service = service_for(store, Clock())
+        (job,) = await service.lease(Z, "w1")
+        busy = outcome(job, Result.DEFERRED, reply="451 4.3.0 busy", code=451, enhanced="4.3.0")
+        await service.report("w1", busy)
+        await store.drain()
+        # Only a fault of the worker's own makes the core look: a remote 451 is a deferral.
+        assert store.count(Z, State.DEFERRED) == 1 and store.quarantined == []
+    finally:
+        await store.close()

@@ -1,0 +1,124 @@
+"""The notices the queue service queues: what they return, how many, and what they cost.
+
+A real store on disk and the real ``QueueService``; the DSN is read back from the bounce
+zone and parsed with the ``email`` package.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.queue.test_bounces import returned_part
+from tests.queue.test_service import BOUNCES, Clock, Z, dsn_of, outcome, service_for
+from tests.storage.conftest import MINUTE, T0, assert_consistent, async_test, queue_message
+from zoneq.queue.service import QueueService, Result
+from zoneq.storage.records import NewRecipient, State
+from zoneq.storage.store import QueueStore
+
+# Stored in three chunks, the header section cut across the first two.
+ORIGINAL = (
+    b"From: Alice <alice@src.test>\r\nTo: user@dest.test\r\n",
+    b"Subject: full return\r\nMessage-ID: <full@src.test>\r\n\r\nfirst line\r\n",
+    b"\r\nGr\xfc\xdfe in latin1\r\n",
+)
+
+
+@async_test
+async def test_a_ret_full_dsn_returns_the_stored_message_exactly(store: QueueStore) -> None:
+    service = service_for(store, Clock())
+    await queue_message(store, [("a@dest.test", Z)], body=ORIGINAL, ret="FULL", body_8bit=True)
+    (job,) = await service.lease(Z, "w1")
+    await service.report("w1", outcome(job, Result.BOUNCED, reply="550 5.1.1 no", enhanced="5.1.1"))
+    dsn = dsn_of(store)
+    assert [p.get_content_type() for p in dsn.iter_parts()][2] == "message/rfc822"
+    (lease,) = store.lease(BOUNCES, 10, "test")
+    body = b"".join(store.body(lease.recipient.msg_id))
+    assert returned_part(body) == ("message/rfc822", b"".join(ORIGINAL))
+    assert body.count(b"Subject: full return") == 1  # the header section once, not twice
+    # The returned body is 8-bit: the notice goes out with BODY=8BITMIME (RFC 6152).
+    meta = store.message(lease.recipient.msg_id)
+    assert (meta.body_8bit, meta.smtputf8, meta.sender) == (True, False, "")
+    store.release(lease)
+    await assert_consistent(store)
+
+
+async def lease_and_defer(service: QueueService) -> tuple[list[int], list[int]]:
+    """Lease the one job waiting and report every recipient deferred (451 4.4.1)."""
+    (job,) = await service.lease(Z, "w1")
+    return await service.report(
+        "w1", outcome(job, Result.DEFERRED, reply="451 4.4.1 busy", enhanced="4.4.1")
+    )
+
+
+@async_test
+async def test_delayed_recipients_of_one_report_share_one_delay_notice(store: QueueStore) -> None:
+    clock = Clock()
+    service = service_for(store, clock)
+    wanting = [f"r{n}@slow.test" for n in range(5)]
+    recipients = [NewRecipient(a, Z, notify=("DELAY", "FAILURE")) for a in wanting]
+    recipients.append(NewRecipient("quiet@slow.test", Z))  # no NOTIFY: no delay notice
+    msg_id = await queue_message(store, recipients, ret="FULL")
+    clock.now = T0 + 5 * 60 * MINUTE  # past the 4h delay warning
+    accepted, refused = await lease_and_defer(service)
+    assert len(accepted) == 6 and refused == []
+    assert store.count(Z, State.DEFERRED) == 6
+    assert store.count(BOUNCES, State.READY) == 1  # one notice, not one per recipient
+    report = dsn_of(store)
+    assert report["Subject"].startswith("Delayed Mail")
+    status = report.get_payload()[1].get_payload()  # type: ignore[index,union-attr]
+    blocks = [block for block in status[1:] if block["Final-Recipient"]]
+    assert sorted(b["Final-Recipient"] for b in blocks) == [f"rfc822; {a}" for a in wanting]
+    assert {b["Action"] for b in blocks} == {"delayed"}
+    # A delay notice returns the headers only (RFC 3461 section 4.3 leaves it to the MTA).
+    assert [p.get_content_type() for p in report.iter_parts()][2] == "text/rfc822-headers"
+    notified = {r.recipient.address: r.recipient.delay_notified for r in store.recipients(msg_id)}
+    assert notified == {**dict.fromkeys(wanting, True), "quiet@slow.test": False}
+    # Deferred again: everyone listed was told once, and is not told again.
+    clock.now = T0 + 10 * 60 * MINUTE
+    await service.promote_due()
+    await lease_and_defer(service)
+    assert store.count(BOUNCES, State.READY) == 1
+    await assert_consistent(store)
+
+
+@pytest.mark.parametrize(
+    ("sender", "notify", "notices"),
+    [
+        ("", (), 0),  # the null reverse-path
+        ("sender@src.test", ("NEVER",), 0),
+        ("sender@src.test", (), 1),  # the control: a notice, so the original is read
+    ],
+    ids=["null-sender", "notify-never", "control"],
+)
+@async_test
+async def test_the_original_is_read_only_when_a_notice_is_sent(
+    store: QueueStore,
+    monkeypatch: pytest.MonkeyPatch,
+    sender: str,
+    notify: tuple[str, ...],
+    notices: int,
+) -> None:
+    service = service_for(store, Clock())
+    await queue_message(
+        store, [NewRecipient("a@dest.test", Z, notify=notify)], sender=sender, ret="FULL"
+    )
+    (job,) = await service.lease(Z, "w1")
+    reads: list[str] = []
+    chunk, body = store.chunk, store.body
+
+    def counted_chunk(msg_id: int, index: int) -> bytes:
+        reads.append("chunk")
+        return chunk(msg_id, index)
+
+    def counted_body(msg_id: int) -> Any:
+        reads.append("body")
+        return body(msg_id)
+
+    monkeypatch.setattr(store, "chunk", counted_chunk)
+    monkeypatch.setattr(store, "body", counted_body)
+    await service.report("w1", outcome(job, Result.BOUNCED, reply="550 5.1.1 no", enhanced="5.1.1"))
+    assert store.count(BOUNCES, State.READY) == notices
+    assert bool(reads) == bool(notices)
+    assert store.message_count() == notices
