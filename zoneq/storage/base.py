@@ -24,6 +24,7 @@ from zoneq.protocol.events import Event, EventKind
 from zoneq.protocol.ids import IdGenerator, format_id, id_time_ms
 from zoneq.storage import keys
 from zoneq.storage.counters import MESSAGES, Counters
+from zoneq.storage.leases import LeaseTable
 from zoneq.storage.leveldb import Database, Op
 from zoneq.storage.records import (
     MessageMeta,
@@ -128,7 +129,7 @@ class StoreBase:
         self._event_ids = IdGenerator()
         self._floors_written = (0, 0)
         self._tokens = itertools.count(secrets.randbits(48))
-        self._leases: dict[bytes, Lease] = {}
+        self._leases = LeaseTable()  # with a count per zone (``count(zone, LEASED)``)
         # Outcomes on their way to disk (their leases taken, their batches not landed), and
         # outcomes held while the database cannot write (``held.py``).
         self._settling: dict[bytes, Held] = {}
@@ -496,4 +497,4 @@ class StoreBase:
     def leased(self, zone: str | None = None) -> int:
         if zone is None:
             return len(self._leases)
-        return sum(1 for lease in self._leases.values() if lease.recipient.zone == zone)
+        return self._leases.in_zone(zone)
