@@ -20,7 +20,8 @@ a server treat local parts as case-sensitive but says exploiting that "impedes
 interoperability and is discouraged"; no large mailbox provider does.  For a suppression
 list the costly mistake is mailing someone who complained or unsubscribed, not skipping a
 mailbox that differs only in case, so the whole address is lower-cased (as most sending
-platforms' lists do).
+platforms' lists do), and its domain is put in A-labels (a U-label and its A-label are
+one domain).
 
 This module owns the file format: ``load_file``, ``save_file`` and ``normalize`` are what
 zoneq's API (``zoneq suppression ...``) uses to edit the list, so the two cannot disagree.
@@ -41,7 +42,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from zoneq.plugin import Drop, EnhancedStatus, Hook, OptionError, PluginApp, Reply, RouteArgs
+from zoneq.plugin import (
+    Drop,
+    EnhancedStatus,
+    Hook,
+    OptionError,
+    PluginApp,
+    Reply,
+    RouteArgs,
+    normal_domain,
+)
 
 ALL_ZONES = "*"
 
@@ -61,8 +71,11 @@ class Options(BaseModel):
 
 
 def normalize(address: str) -> str:
-    """The form an address is stored and compared in (see the module's docstring)."""
-    return address.lower()
+    """The form an address is stored and compared in (see the module's docstring): lower
+    case, and the domain as the queue keys it (A-labels), so suppressing
+    ``bob@bücher.example`` suppresses ``bob@xn--bcher-kva.example`` too, and back."""
+    local, at, domain = address.rpartition("@")
+    return f"{local.lower()}@{normal_domain(domain)}" if at else address.lower()
 
 
 def parse(text: str, where: Path) -> dict[str, frozenset[str]]:

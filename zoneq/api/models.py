@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from zoneq.protocol.domains import normal_domain
 from zoneq.storage.records import State
 
 
@@ -66,10 +67,12 @@ def not_empty(value: str | None) -> str | None:
 
 
 def domain_filter(value: str | None) -> str | None:
-    """A domain to match: lower case, no trailing dot (RFC 1035's root), not empty."""
+    """A domain to match, in the queue's normal form (lower-case A-labels, so a U-label
+    and its A-label select the same recipients), no trailing dot (RFC 1035's root), not
+    empty.  A name IDNA refuses is kept lower-cased, as the queue keeps such a name."""
     if value is None:
         return None
-    domain = value.strip().lower().rstrip(".")
+    domain = normal_domain(value.strip()).rstrip(".")
     if not domain:
         raise ValueError("must not be empty: leave the field out to match any")
     return domain

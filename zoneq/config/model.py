@@ -46,10 +46,12 @@ from zoneq.config.types import (
     HostName,
     Network,
     ZoneName,
+    domain_keys,
     problems_error,
 )
 from zoneq.config.types import Section as _Section
 from zoneq.config.zones import ConnectionLimits, Pool, Rate, Smarthost, parse_rate
+from zoneq.protocol.domains import normal_domain
 from zoneq.protocol.retry import (
     BOUNCE_MAX_AGE,
     DEFAULT_MAX_AGE,
@@ -257,13 +259,14 @@ class DeliveryConfig(_Section):
     (then mail to it waits with 4.7.x rather than ever going in plaintext)."""
 
     def tls_for(self, domain: str) -> str:
-        """The STARTTLS policy for mail to ``domain`` (domains compare case-insensitively)."""
-        return self.tls_policy.get(domain.lower(), self.tls)
+        """The STARTTLS policy for mail to ``domain`` (the keys' normal form: case and
+        U-label or A-label do not matter)."""
+        return self.tls_policy.get(normal_domain(domain).rstrip("."), self.tls)
 
     @field_validator("tls_policy")
     @classmethod
     def _lower_domains(cls, value: dict[str, str]) -> dict[str, str]:
-        return {domain.lower().rstrip("."): policy for domain, policy in value.items()}
+        return domain_keys(value)
 
     domain_connections: Annotated[int, Field(ge=1, le=10_000)] = 10
     """Connections at once per destination domain, across all of a zone's workers."""

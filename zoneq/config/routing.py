@@ -16,7 +16,7 @@ from typing import Annotated, Final, Self
 from pydantic import AfterValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from zoneq.config.types import Network, Section, ZoneName, problems_error
+from zoneq.config.types import Network, Section, ZoneName, domain_name, problems_error
 
 __all__ = [
     "MATCH_KINDS",
@@ -34,19 +34,23 @@ _DOMAIN_PATTERN: Final = re.compile(rf"\.?{_LABEL}(?:\.{_LABEL})*")
 
 
 def _check_domain_pattern(value: str) -> str:
-    lowered = value.lower().rstrip(".")
-    if not _DOMAIN_PATTERN.fullmatch(lowered):
-        reason = (
-            f"invalid domain {value!r}: expected 'example.com' (that domain only) or "
-            "'.example.com' (every domain below it)"
-        )
+    # A-labels, as the queue keys recipients' domains: a rule for "bücher.example" routes
+    # mail for "xn--bcher-kva.example" too, and back (RFC 5890).
+    expected = "expected 'example.com' (that domain only) or '.example.com' (every domain below it)"
+    try:
+        name = domain_name(value)
+    except ValueError as exc:
+        reason = f"{exc}; {expected}"
+        raise PydanticCustomError("domain_pattern", "{reason}", {"reason": reason}) from None
+    if not _DOMAIN_PATTERN.fullmatch(name):
+        reason = f"invalid domain {value!r}: {expected}"
         raise PydanticCustomError("domain_pattern", "{reason}", {"reason": reason})
-    return lowered
+    return name
 
 
 DomainPattern = Annotated[str, AfterValidator(_check_domain_pattern)]
 """``example.com`` matches that domain only; ``.example.com`` every domain below it (not
-``example.com`` itself), as in Postfix's transport maps.  Kept lower-case."""
+``example.com`` itself), as in Postfix's transport maps.  Kept as lower-case A-labels."""
 
 
 # RFC 5322 section 3.6.8: a field name is printable US-ASCII except the colon.

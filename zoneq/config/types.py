@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated, Final
+from typing import Annotated, Final, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict
 from pydantic_core import PydanticCustomError
 
+from zoneq.protocol.domains import a_label
 from zoneq.protocol.retry import parse_duration
 
 __all__ = [
@@ -24,9 +25,13 @@ __all__ = [
     "Section",
     "TimeLimit",
     "ZoneName",
+    "domain_keys",
+    "domain_name",
     "problems_error",
     "time_limit_s",
 ]
+
+_V = TypeVar("_V")
 
 PROBLEMS_ERROR_TYPE: Final = "zoneq_problems"
 """Error type of ``problems_error``; its context holds ``problems``: (relative key, text) pairs."""
@@ -52,6 +57,45 @@ def problems_error(*problems: tuple[tuple[str | int, ...], str]) -> PydanticCust
     return PydanticCustomError(
         PROBLEMS_ERROR_TYPE, "{summary}", {"summary": summary, "problems": problems}
     )
+
+
+def domain_name(value: str) -> str:
+    """A domain (or ``.domain``, every name below it) as the queue keys destinations:
+    lower-case A-labels (``zoneq.protocol.domains``), no root dot, so a rule or a limit
+    written ``bücher.example`` applies to mail for ``xn--bcher-kva.example`` and back.
+
+    ``ValueError`` for a name IDNA refuses: the queue would keep such a name as given, but
+    in the configuration it is a typo to point out, not a destination to match.
+    """
+    name = value.lower().rstrip(".")
+    dot = "." if name.startswith(".") else ""
+    try:
+        return dot + a_label(name.removeprefix(dot))
+    except ValueError as exc:
+        raise ValueError(f"invalid domain {value!r}: {exc}") from None
+
+
+def domain_keys(value: dict[str, _V]) -> dict[str, _V]:
+    """A table keyed by domain, its keys as ``domain_name`` gives them.  Each problem names
+    its key: a name IDNA refuses, or two keys that are one domain (``Bücher.example`` and
+    ``xn--bcher-kva.example``), where which one applied would depend on the file's order."""
+    out: dict[str, _V] = {}
+    first: dict[str, str] = {}
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    for key, item in value.items():
+        try:
+            name = domain_name(key)
+        except ValueError as exc:
+            problems.append(((key,), str(exc)))
+            continue
+        if name in first:
+            problems.append(((key,), f"names the same domain as {first[name]!r} ({name})"))
+            continue
+        first[name] = key
+        out[name] = item
+    if problems:
+        raise problems_error(*problems)
+    return out
 
 
 def _check_duration(value: str) -> str:

@@ -14,7 +14,8 @@ from typing import Annotated, Final, Literal, Self
 from pydantic import AfterValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from zoneq.config.types import HostName, Section, problems_error
+from zoneq.config.types import HostName, Section, domain_keys, problems_error
+from zoneq.protocol.domains import normal_domain
 
 __all__ = [
     "ConnectionLimits",
@@ -90,11 +91,6 @@ def _check_ip(value: str) -> str:
     return value
 
 
-def _lower_keys(limits: dict[str, int]) -> dict[str, int]:
-    # DNS names compare case-insensitively (RFC 4343); a trailing dot is the same name.
-    return {name.lower().rstrip("."): limit for name, limit in limits.items()}
-
-
 Rate = Annotated[str, AfterValidator(_check_rate)]
 """Deliveries (SMTP transactions) per second, minute or hour: ``"100/s"``, ``"6000/min"``."""
 
@@ -102,7 +98,10 @@ IpAddress = Annotated[str, AfterValidator(_check_ip)]
 """One IPv4 or IPv6 address, without a prefix length."""
 
 ConnectionLimits = Annotated[
-    dict[str, Annotated[int, Field(ge=1, le=10_000)]], AfterValidator(_lower_keys)
+    # DNS names compare case-insensitively (RFC 4343), a trailing dot is the same name, and
+    # a U-label is its A-label (RFC 5890): one key per destination (``domain_keys``).
+    dict[str, Annotated[int, Field(ge=1, le=10_000)]],
+    AfterValidator(domain_keys),
 ]
 """Connections at once per name: ``{"gmail.com" = 20, ".google.com" = 40}``.  A key with a
 leading dot matches every name below it (Postfix's transport map convention)."""
@@ -110,8 +109,10 @@ leading dot matches every name below it (Postfix's transport map convention)."""
 
 def limit_for(limits: dict[str, int], name: str) -> int | None:
     """The limit for ``name`` in ``limits``: the exact name first, then the closest parent
-    written with a leading dot; None when nothing matches (the caller's default applies)."""
-    name = name.lower().rstrip(".")
+    written with a leading dot; None when nothing matches (the caller's default applies).
+    ``name`` is put in the keys' normal form (``domain_keys``) first, so a U-label finds
+    its A-label's limit (a record queued before domains were normalised has one)."""
+    name = normal_domain(name).rstrip(".")
     if name in limits:
         return limits[name]
     labels = name.split(".")

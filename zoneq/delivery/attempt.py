@@ -72,6 +72,7 @@ from zoneq.delivery.transport import (
 )
 from zoneq.ipc.messages import Job, Outcome, RecipientReport
 from zoneq.plugin import ConnectArgs, Hook, PluginFailure, PluginHost, SenderHeadersArgs
+from zoneq.protocol.domains import normal_domain
 from zoneq.protocol.dsn import Notify, Ret
 from zoneq.protocol.ids import format_id
 from zoneq.protocol.replies import EnhancedStatus, Reply, Verdict
@@ -116,7 +117,9 @@ class Settings:
     def tls_for(self, domain: str) -> TlsPolicy:
         if self.relay is not None:
             return self.relay.tls
-        return self.tls_policy.get(domain.lower(), self.tls)
+        # The policy's keys are A-labels (config); a job queued before domains were
+        # normalised may still carry a U-label.
+        return self.tls_policy.get(normal_domain(domain).rstrip("."), self.tls)
 
     @property
     def families(self) -> frozenset[int] | None:

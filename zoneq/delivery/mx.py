@@ -83,6 +83,7 @@ import dns.name
 import dns.rdatatype
 import dns.resolver
 
+from zoneq.protocol.domains import normal_domain
 from zoneq.protocol.replies import EnhancedStatus
 
 __all__ = [
@@ -276,7 +277,9 @@ def _parse_name(domain: str) -> dns.name.Name | MxResult:
     try:
         if not domain:
             raise ValueError("empty name")
-        return dns.name.from_text(domain)
+        # Jobs carry A-labels; one queued before domains were normalised may carry a
+        # U-label, which dnspython would encode by IDNA 2003 ("ß" as "ss": another name).
+        return dns.name.from_text(normal_domain(domain))
     except (ValueError, dns.exception.DNSException) as exc:
         reason = f"{domain!r} is not a valid domain name: {exc}"
         return MxResult(MxKind.NO_DOMAIN, domain, reason, _NO_DOMAIN_STATUS)

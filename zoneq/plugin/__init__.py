@@ -23,6 +23,7 @@ from zoneq.plugin.hooks import (
     Session,
 )
 from zoneq.plugin.host import HookResult, PluginHost
+from zoneq.protocol.domains import normal_domain
 from zoneq.protocol.replies import EnhancedStatus, Reply
 
 __all__ = [
@@ -48,4 +49,5 @@ __all__ = [
     "RouteArgs",
     "SenderHeadersArgs",
     "Session",
+    "normal_domain",
 ]

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 from typing import Final
 
 from zoneq.errors import NotFound
+from zoneq.protocol.domains import normal_domain
 from zoneq.protocol.ids import id_time_ms
 from zoneq.queue.service import HoldCount, QueueService
 from zoneq.storage import keys
 from zoneq.storage.base import STATE_FAMILY, QueuedRecipient
-from zoneq.storage.records import Recipient, State, recipient_domain
+from zoneq.storage.records import Recipient, State, domain_is, recipient_domain
 from zoneq.storage.store import QueueStore
 
 __all__ = [
@@ -91,6 +92,11 @@ def decode_cursor(cursor: str, prefix: bytes) -> bytes:
     if not key.startswith(prefix) or key == prefix:
         raise BadCursor("cursor belongs to another zone or state; start from the first page")
     return key
+
+
+def _normal(domain: str | None) -> str | None:
+    """A domain filter in the queue's normal form (``recipient_domain``), no root dot."""
+    return None if domain is None else normal_domain(domain).rstrip(".")
 
 
 class _SenderDomains:
@@ -194,14 +200,15 @@ class QueueAdmin:
         zones = [self.check_zone(selection.zone)] if selection.zone is not None else self.zones()
         states = [selection.state] if selection.state else list(QUEUED_STATES)
         senders = _SenderDomains(self.store)
+        # Either form of a name (U-label or A-label) selects the same recipients.
+        wanted = _normal(selection.recipient_domain)
+        sender = _normal(selection.sender_domain)
 
         def pick(record: Recipient) -> bool:
             # "is not None": an empty filter matches nothing here, never everything (the
             # API refuses one; this keeps a caller's slip from widening a purge).
-            wanted = selection.recipient_domain
-            if wanted is not None and record.domain != wanted:
+            if wanted is not None and not domain_is(record.domain, wanted):
                 return False
-            sender = selection.sender_domain
             return sender is None or senders(record.msg_id) == sender
 
         now = self.clock()
@@ -221,13 +228,13 @@ class QueueAdmin:
         """Deferred recipients of a zone (every zone if None), or of one destination domain
         in it, are ready at once: their delays are reset."""
         zones = [self.check_zone(zone)] if zone is not None else self.zones()
-        wanted = None if domain is None else domain.lower().rstrip(".")
+        wanted = _normal(domain)
         moved = 0
         for name in zones:
             moved += await self._walk(
                 name,
                 State.DEFERRED,
-                lambda r: wanted is None or r.domain == wanted,
+                lambda r: wanted is None or domain_is(r.domain, wanted),
                 self.store.ready_many,
             )
         return moved

@@ -16,8 +16,9 @@ that matches decides:
 Within one kind, rules are tried in the order of the file.  A domain rule ``example.com``
 matches that domain only; ``.example.com`` every domain below it (Postfix's transport map
 convention).  Domains compare case-insensitively (RFC 5321 section 2.4), a trailing dot
-ignored.  Then a ``queue:route`` plugin may override the zone per recipient, refuse the
-recipient with its own reply, or drop it (``Router.route``).  ``Router.consult`` is that
+ignored, and a U-label is its A-label (``zoneq.protocol.domains``), in the rules and in
+the addresses alike.  Then a ``queue:route`` plugin may override the zone per recipient,
+refuse the recipient with its own reply, or drop it (``Router.route``).  ``Router.consult`` is that
 plugin step alone, for a decision made elsewhere: the receiver reads the routing header
 only at the final dot, and puts the recipients it moves through the plugins again there.
 
@@ -37,6 +38,7 @@ from zoneq.config.model import Config, RoutingConfig
 from zoneq.config.routing import RoutingRule
 from zoneq.plugin.hooks import Drop, Hook, RouteArgs, Session
 from zoneq.plugin.host import PluginHost
+from zoneq.protocol.domains import normal_domain
 from zoneq.protocol.replies import Reply
 
 __all__ = ["DEFAULT", "HEADER", "Route", "Router"]
@@ -58,12 +60,13 @@ class Route:
 
 
 def _domain_of(address: str) -> str | None:
-    """The domain of ``local@domain``, lower-case, no trailing dot; None for ``<>`` or a
-    bare local part (``postmaster``, RFC 5321 section 4.5.1)."""
+    """The domain of ``local@domain`` in the queue's normal form (lower-case A-labels, as
+    the rules are kept), no trailing dot; None for ``<>`` or a bare local part
+    (``postmaster``, RFC 5321 section 4.5.1)."""
     _local, at, domain = address.rpartition("@")
     if not at or not domain:
         return None
-    return domain.lower().rstrip(".")
+    return normal_domain(domain).rstrip(".")
 
 
 @dataclass(frozen=True, slots=True)

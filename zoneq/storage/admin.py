@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from zoneq.errors import NotFound, StorageCorruption
+from zoneq.protocol.domains import normal_domain
 from zoneq.protocol.events import Event, EventKind
 from zoneq.protocol.ids import format_id, id_time_ms
 from zoneq.storage import keys
@@ -25,6 +26,7 @@ from zoneq.storage.records import (
     MessageMeta,
     Recipient,
     State,
+    domain_is,
     recipient_domain,
 )
 from zoneq.storage.writer import GroupWriter
@@ -40,12 +42,13 @@ def same_mailbox(stored: str, given: str) -> bool:
 
     RFC 5321 section 2.4: the domain part is case-insensitive, while the local part may be
     case-sensitive (only the destination host may fold it), so it is compared exactly.
+    A U-label domain and its A-label are one domain (``normal_domain``).
     """
     local, at, domain = stored.rpartition("@")
     given_local, given_at, given_domain = given.rpartition("@")
     if not at or not given_at:
         return stored == given
-    return local == given_local and domain.lower() == given_domain.lower()
+    return local == given_local and normal_domain(domain) == normal_domain(given_domain)
 
 
 class AdminMixin(StoreBase):
@@ -230,10 +233,11 @@ class AdminMixin(StoreBase):
             if msg_id is None
             else keys.record_message_prefix(keys.DEFERRED, zone, msg_id)
         )
+        wanted = None if domain is None else normal_domain(domain)
         chosen = (
             QueuedRecipient(State.DEFERRED, record)
             for _, record in self._records(prefix)
-            if domain is None or record.domain == domain.lower()
+            if wanted is None or domain_is(record.domain, wanted)
         )
         return await self._make_ready(chosen)
 
@@ -245,7 +249,8 @@ class AdminMixin(StoreBase):
 
     def domain_count(self, zone: str, domain: str, state: State) -> int:
         """O(1): recipients of ``zone`` for one destination domain in ``state``."""
-        return self._counters.get(domain_key(zone, domain.lower(), state.value))
+        # domain_key puts the domain in its normal form: either form of a name counts.
+        return self._counters.get(domain_key(zone, domain, state.value))
 
     def domain_counts(self, zone: str, state: State) -> dict[str, int]:
         return dict(self._counters.items("domain-" + state.value, zone))

@@ -18,6 +18,7 @@ import struct
 from collections.abc import Iterator
 from typing import Final
 
+from zoneq.protocol.domains import normal_domain
 from zoneq.storage import keys
 from zoneq.storage.leveldb import Database, Op
 
@@ -32,9 +33,16 @@ def zone_key(zone: str, state: str) -> bytes:
     return keys.counter(state, zone, "")
 
 
+_DOMAIN: Final = "domain-"
+_DOMAIN_PREFIX: Final = keys.COUNTER + _DOMAIN.encode()
+
+
 @functools.lru_cache(maxsize=65536)
 def domain_key(zone: str, domain: str, state: str) -> bytes:
-    return keys.counter("domain-" + state, zone, domain)
+    # Keyed by the domain's normal form whoever asks (the commit path's inline split, a
+    # record's stored domain, an address): a U-label and its A-label are one count, and a
+    # record stored before domains were normalised leaves the count it entered.
+    return keys.counter(_DOMAIN + state, zone, normal_domain(domain))
 
 
 class Counters:
@@ -79,6 +87,18 @@ class Counters:
             key: _VALUE.unpack(value)[0] for key, value in db.items(prefix=keys.COUNTER)
         }
         self._dirty.clear()
+        self._fold_domains()
+
+    def _fold_domains(self) -> None:
+        """Move per-domain counts stored under a form that is not normal (a U-label,
+        written before domains were normalised) to the normal form's key, as every later
+        change to them will be made there; the old key is deleted with the next group."""
+        for key in [k for k in self._values if k.startswith(_DOMAIN_PREFIX)]:
+            name, zone, domain = keys.decode_counter(key)
+            normal = normal_domain(domain)
+            if normal != domain:
+                self.add(keys.counter(name, zone, normal), self._values[key])
+                self.add(key, -self._values[key])
 
     def items(self, name: str, zone: str) -> Iterator[tuple[str, int]]:
         """``(sub, value)`` for every counter ``name`` of ``zone`` (e.g. per-domain counts)."""

@@ -19,6 +19,7 @@ from typing import Any, Final, TypeVar
 import msgpack
 
 from zoneq.errors import StorageCorruption
+from zoneq.protocol.domains import normal_domain
 
 RECORD_VERSION: Final = 1
 META_VERSION: Final = 1
@@ -34,9 +35,29 @@ class State(enum.StrEnum):
 
 
 def recipient_domain(address: str) -> str:
-    """The destination domain, lowercased (RFC 5321 2.4: domains are case-insensitive)."""
+    """The destination domain in its one normal form: lower-case A-labels.
+
+    ``bob@bücher.example`` and ``bob@xn--bcher-kva.example`` go to one domain, so they
+    share its counts, its job queue, its connection limit and its routing (``normal_domain``
+    in ``zoneq.protocol.domains``); the address itself is kept as the client gave it (RCPT
+    TO carries it unchanged, RFC 6531).  A name IDNA refuses is kept lower-cased rather
+    than refused: the address was accepted already, and failing here would lose it.  An
+    address literal (``[192.0.2.1]``) is ASCII and only lower-cased.
+
+    Queues written before this: their records keep the domain they were stored with (a
+    U-label, lower-cased), and are not rewritten.  They are still delivered (the MX lookup
+    encodes the name itself) and form their own job queue under that form until they
+    leave; their per-domain counts join the A-label's when the store opens (``Counters``
+    keys every domain by its normal form), so a purge or a count by either form sees them.
+    """
     _, at, domain = address.rpartition("@")
-    return domain.lower() if at else ""
+    return normal_domain(domain) if at else ""
+
+
+def domain_is(stored: str, wanted: str) -> bool:
+    """Whether a record's stored domain is ``wanted`` (in normal form): a record stored
+    before domains were normalised holds a U-label, and is found by either form too."""
+    return stored == wanted or normal_domain(stored) == wanted
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +149,9 @@ class Recipient:
 def new_record_value(domain: str, notify: tuple[str, ...], orcpt: str | None) -> bytes:
     """The value of a recipient's record at commit (no attempts yet): it depends only on
     these, so it is encoded once and shared; on the commit path this was a dataclass and an
-    encode per recipient."""
-    return Recipient("", 0, "", domain, notify=notify, orcpt=orcpt).encode()
+    encode per recipient.  ``domain`` is put in its normal form here too (cached with the
+    value, so free): the commit path splits the address inline, lower-casing only."""
+    return Recipient("", 0, "", normal_domain(domain), notify=notify, orcpt=orcpt).encode()
 
 
 @dataclass(frozen=True, slots=True)
