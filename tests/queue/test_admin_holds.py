@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from tests.queue.test_service import Clock, service_for
+from tests.queue.test_service import Clock, outcome, service_for
 from tests.storage.conftest import (
     MINUTE,
     T0,
@@ -22,6 +22,7 @@ from tests.storage.conftest import (
     async_test,
     queue_message,
 )
+from zoneq.errors import StorageUnavailable
 from zoneq.protocol.events import EventKind
 from zoneq.queue.admin import QueueAdmin
 from zoneq.queue.service import HoldCount, Job, QueueService, RecipientOutcome, Result
@@ -225,3 +226,133 @@ async def test_a_restart_mid_attempt_keeps_the_hold(stores: StoreFactory) -> Non
     third = stores.open()  # the marks went with the move: nothing is held twice
     assert third.count(Z, State.HELD) == 2
     await assert_consistent(third)
+
+
+def state_of(store: QueueStore, msg: int, address: str) -> State:
+    (found,) = [q.state for q in store.recipients(msg) if q.recipient.address == address]
+    return found
+
+
+@async_test
+async def test_a_recipient_given_back_by_the_hold_is_held_whatever_leases_meanwhile(
+    store: QueueStore,
+) -> None:
+    """a is on the wire; b waits in the core's job queue.  The hold gives b back and holds
+    it before anything else runs: a lease during the hold's synced write finds nothing."""
+    clock = Clock()
+    service = service_for(store, clock)
+    msg = await queue_message(store, [("a@one.test", Z), ("b@two.test", Z)])
+    (job_a,) = await service.lease(Z, "w1", max_jobs=1)
+    assert [r.address for r in job_a.recipients] == ["a@one.test"]
+    hold = asyncio.ensure_future(service.hold(msg, "legal"))
+    await asyncio.sleep(0)  # the hold awaits its synced write
+    assert await service.lease(Z, "w2", max_jobs=5) == []
+    assert await hold == HoldCount(now=1, on_return=1)
+    await store.drain()
+    assert state_of(store, msg, "b@two.test") is State.HELD
+    await assert_consistent(store)
+
+
+@pytest.mark.parametrize("result", [Result.DEFERRED, Result.RETURNED])
+@async_test
+async def test_a_hold_between_a_reports_claim_and_its_write_still_holds(
+    store: QueueStore, result: Result
+) -> None:
+    """A report takes its token from the service at once but writes its outcome in a task
+    later; a hold in between still finds the store's lease, marks it, and the outcome
+    written after it holds the recipient (409 "nothing to hold" was the answer before)."""
+    clock = Clock()
+    service = service_for(store, clock)
+    msg = await queue_message(store, [("a@one.test", Z)])
+    (job,) = await service.lease(Z, "w1")
+    fields = {"reply": "451 4.4.1 busy", "code": 451} if result is Result.DEFERRED else {}
+    reported = asyncio.ensure_future(service.report("w1", outcome(job, result, **fields)))
+    hold = asyncio.ensure_future(service.hold(msg))
+    accepted, refused = await reported
+    assert (len(accepted), refused) == (1, [])
+    assert await hold == HoldCount(now=0, on_return=1)
+    await store.drain()
+    assert state_of(store, msg, "a@one.test") is State.HELD
+    clock.now = T0 + DAY
+    await service.promote_due()
+    assert await service.lease(Z, "w1") == []
+    await assert_consistent(store)
+
+
+@async_test
+async def test_a_release_cancels_the_hold_on_return(stores: StoreFactory) -> None:
+    store = stores.open()
+    clock = Clock()
+    service = service_for(store, clock)
+    admin = QueueAdmin(store, service, [Z], clock=clock)
+    msg = await queue_message(store, [("a@one.test", Z), ("b@two.test", Z)])
+    (job,) = await service.lease(Z, "w1", max_jobs=1)
+    assert await admin.hold_message(msg) == HoldCount(now=1, on_return=1)
+    assert await admin.release_message(msg) == 1
+    await report(service, outcome(job, Result.DEFERRED, reply="451 4.4.1 busy", code=451))
+    await store.drain()
+    assert counts(store) == {"ready": 1, "leased": 0, "deferred": 1, "held": 0}
+    await store.close()
+    again = stores.open()  # and no mark is left on disk to hold it at the next start
+    assert again.count(Z, State.HELD) == 0
+    assert not list(again.database.keys(prefix=keys.meta("hold-on-return")))
+
+
+@async_test
+async def test_a_release_then_a_restart_does_not_hold_by_a_stale_mark(stores: StoreFactory) -> None:
+    store = stores.open()
+    clock = Clock()
+    service = service_for(store, clock)
+    msg = await queue_message(store, [("a@one.test", Z)])
+    await service.lease(Z, "w1", max_jobs=1)
+    assert await service.hold(msg) == HoldCount(now=0, on_return=1)
+    await store.unhold(msg)
+    await store.close()
+    again = stores.open()
+    assert (again.count(Z, State.HELD), again.count(Z, State.READY)) == (0, 1)
+
+
+@async_test
+async def test_a_delete_takes_the_hold_on_return_with_it(stores: StoreFactory) -> None:
+    store = stores.open()
+    service = service_for(store, Clock())
+    msg = await queue_message(store, [("a@one.test", Z), ("b@two.test", Z)])
+    await service.lease(Z, "w1", max_jobs=2)
+    assert await service.hold(msg) == HoldCount(now=0, on_return=2)
+    assert await store.drop(msg, T0, "a@one.test") == 1
+    await store.drain()
+    marks = list(store.database.keys(prefix=keys.meta("hold-on-return")))
+    assert [m for m in marks if b"a@one.test" in m] == []
+    assert len(marks) == 1  # b's stays: it is still on the wire and still held
+
+
+@async_test
+async def test_a_zone_hold_holds_an_in_flight_deferral_when_it_returns(store: QueueStore) -> None:
+    clock = Clock()
+    service = service_for(store, clock)
+    admin = QueueAdmin(store, service, [Z], clock=clock)
+    msg = await queue_message(store, [("a@one.test", Z), ("b@two.test", Z)])
+    (job,) = await service.lease(Z, "w1", max_jobs=1)
+    assert await admin.hold_zone(Z, "zone maintenance") == 1
+    await report(service, outcome(job, Result.DEFERRED, reply="451 4.4.1 busy", code=451))
+    await store.drain()
+    assert state_of(store, msg, "a@one.test") is State.HELD
+    clock.now = T0 + DAY
+    await service.promote_due()
+    assert await service.lease(Z, "w1") == []
+    assert {q.recipient.hold_reason for q in store.recipients(msg)} == {"zone maintenance"}
+    await assert_consistent(store)
+
+
+@async_test
+async def test_a_failed_hold_leaves_no_mark(stores: StoreFactory) -> None:
+    """A hold answered with an error (its synced write failed) must not hold anything on
+    return: the administrator was told it did not happen."""
+    store = stores.open(faulty=True)
+    service = service_for(store, Clock())
+    msg = await queue_message(store, [("a@one.test", Z)])
+    await service.lease(Z, "w1")
+    stores.faulty(store).fail_writes = 1
+    with pytest.raises(StorageUnavailable):
+        await service.hold(msg)
+    assert store._hold_marks == {}

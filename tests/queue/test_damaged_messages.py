@@ -8,12 +8,13 @@ body chunk), and the store is opened again, as ``zoneq serve`` would find it aft
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from pathlib import Path
 
 from tests.queue.test_service import BOUNCES, Clock, Z, outcome, service_for
 from tests.reliability.test_corruption import corrupt_key
-from tests.storage.conftest import async_test, queue_message
+from tests.storage.conftest import T0, async_test, queue_message
 from zoneq.protocol.events import EventKind
 from zoneq.queue.service import Result
 from zoneq.storage import keys
@@ -158,3 +159,81 @@ async def test_a_remote_deferral_does_not_read_the_body(tmp_path: Path) -> None:
         assert store.count(Z, State.DEFERRED) == 1 and store.quarantined == []
     finally:
         await store.close()
+
+
+@async_test
+async def test_a_quarantine_with_corrupt_metadata_holds_the_recipient_and_the_report_stands(
+    store: QueueStore,
+) -> None:
+    """The metadata goes bad while a job is out: the body check cannot read it, nor can the
+    message's hold; the recipient still ends held, with its attempt on record, and the
+    rest of the report is written."""
+    service = service_for(store, Clock())
+    bad = await queue_message(store, [("a@one.test", Z)], body=BODY)
+    good = await queue_message(store, [("c@three.test", Z)], body=BODY)
+    jobs = await service.lease(Z, "w1", max_jobs=2)
+    assert len(jobs) == 2
+    store.database.write([(keys.message_meta(bad), GARBAGE)], sync=True)
+    (bad_job,) = [job for job in jobs if job.msg_id == bad]
+    (good_job,) = [job for job in jobs if job.msg_id == good]
+    items = [
+        *outcome(bad_job, Result.DEFERRED, **LOCAL_FAULT),
+        *outcome(good_job, Result.DELIVERED, reply="250 ok"),
+    ]
+    accepted, refused = await service.report("w1", items)
+    await store.drain()
+    assert (len(accepted), refused) == (2, [])
+    assert store.leased() == 0
+    assert store.count(Z, State.HELD) == 1
+    assert (EventKind.DEFERRED, "a@one.test") in events_of(store, bad)
+
+
+@async_test
+async def test_a_quarantined_recipient_is_not_handed_out_again(store: QueueStore) -> None:
+    """a and b of one damaged message are out with two workers; a's local fault holds the
+    message, a included, and a third worker asking meanwhile gets nothing of it."""
+    service = service_for(store, Clock())
+    msg = await queue_message(store, [("a@one.test", Z), ("b@two.test", Z)], body=BODY)
+    store.database.write([(keys.message_chunk(msg, 1), None)], sync=True)
+    (job_a,) = await service.lease(Z, "w1", max_jobs=1)
+    (job_b,) = await service.lease(Z, "w2", max_jobs=1)
+    reported = asyncio.ensure_future(
+        service.report("w1", outcome(job_a, Result.DEFERRED, **LOCAL_FAULT))
+    )
+    for _ in range(3):
+        await asyncio.sleep(0)
+    again = await service.lease(Z, "w3", max_jobs=5)
+    accepted, _ = await reported
+    assert accepted == [job_a.recipients[0].token]
+    assert again == []
+    await store.drain()
+    states = {q.recipient.address: q.state for q in store.recipients(msg)}
+    assert states == {"a@one.test": State.HELD, "b@two.test": State.LEASED}
+    # b's attempt fails the same way: held on return, by the mark the quarantine left.
+    await service.report("w2", outcome(job_b, Result.DEFERRED, reply="451 4.4.1 busy", code=451))
+    await store.drain()
+    assert store.count(Z, State.HELD) == 2
+
+
+@async_test
+async def test_a_quarantine_refuses_a_revoked_lease(store: QueueStore) -> None:
+    """A recipient deleted while on the wire: its local fault is refused like any stale
+    report, and does not hold the rest of the message."""
+    service = service_for(store, Clock())
+    msg = await queue_message(store, [("a@one.test", Z), ("b@two.test", Z)], body=BODY)
+    store.database.write([(keys.message_chunk(msg, 1), None)], sync=True)
+    (job,) = await service.lease(Z, "w1", max_jobs=1)
+    address = job.recipients[0].address
+    reported = asyncio.ensure_future(
+        service.report("w1", outcome(job, Result.DEFERRED, **LOCAL_FAULT))
+    )
+    dropped = asyncio.ensure_future(store.drop(msg, T0, address))
+    accepted, refused = await reported
+    assert await dropped == 1
+    await store.drain()
+    assert (accepted, refused) == ([], [job.recipients[0].token])
+    # A refused report changes nothing: the other recipient (in the core's window) is not
+    # held on its word.
+    assert [(q.recipient.address, q.state) for q in store.recipients(msg)] == [
+        (({"a@one.test", "b@two.test"} - {address}).pop(), State.LEASED)
+    ]

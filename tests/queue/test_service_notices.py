@@ -6,6 +6,7 @@ zone and parsed with the ``email`` package.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -122,3 +123,56 @@ async def test_the_original_is_read_only_when_a_notice_is_sent(
     assert store.count(BOUNCES, State.READY) == notices
     assert bool(reads) == bool(notices)
     assert store.message_count() == notices
+
+
+def _slow_pair() -> list[NewRecipient]:
+    return [NewRecipient(a, Z, notify=("DELAY",)) for a in ("a@slow.test", "b@slow.test")]
+
+
+@async_test
+async def test_a_delay_notice_survives_its_first_recipient_deleted_while_on_the_wire(
+    store: QueueStore,
+) -> None:
+    """An administrator deletes a while the job for a and b is out: a's deferral is refused,
+    and the shared notice rides with b instead of going down with a (b flagged as told)."""
+    clock = Clock()
+    service = service_for(store, clock)
+    msg = await queue_message(store, _slow_pair())
+    clock.now = T0 + 5 * 60 * MINUTE
+    (job,) = await service.lease(Z, "w1")
+    assert await store.drop(msg, clock.now, "a@slow.test") == 1
+    accepted, refused = await service.report(
+        "w1", outcome(job, Result.DEFERRED, reply="451 4.4.1 busy", enhanced="4.4.1")
+    )
+    await store.drain()
+    assert (len(accepted), len(refused)) == (1, 1)
+    assert store.count(BOUNCES, State.READY) == 1  # the notice is queued
+    (b,) = [q.recipient for q in store.recipients(msg)]
+    assert (b.address, b.delay_notified) == ("b@slow.test", True)
+    await assert_consistent(store)
+
+
+@async_test
+async def test_a_delay_notice_survives_its_carrier_deleted_before_the_write(
+    store: QueueStore,
+) -> None:
+    """The narrow window: the delete comes after the report is claimed, before its writes."""
+    clock = Clock()
+    service = service_for(store, clock)
+    msg = await queue_message(store, _slow_pair())
+    clock.now = T0 + 5 * 60 * MINUTE
+    (job,) = await service.lease(Z, "w1")
+    reported = asyncio.ensure_future(
+        service.report(
+            "w1", outcome(job, Result.DEFERRED, reply="451 4.4.1 busy", enhanced="4.4.1")
+        )
+    )
+    dropped = asyncio.ensure_future(store.drop(msg, clock.now, "a@slow.test"))
+    accepted, refused = await reported
+    assert await dropped == 1
+    await store.drain()
+    assert (len(accepted), len(refused)) == (1, 1)
+    assert store.count(BOUNCES, State.READY) == 1
+    (b,) = [q.recipient for q in store.recipients(msg)]
+    assert b.delay_notified
+    await assert_consistent(store)

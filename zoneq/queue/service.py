@@ -141,6 +141,14 @@ class HoldCount:
 
 
 @dataclass(slots=True)
+class _SharedNotice:
+    """One delay notice for a report's deferrals of one message (``_defer_listed``)."""
+
+    notice: Notice
+    carried: bool = False
+
+
+@dataclass(slots=True)
 class _Running:
     """A job handed to a worker: its tokens still to be reported, and the slot it holds."""
 
@@ -219,10 +227,6 @@ class QueueService:
         # Paused or being held: lease() hands out nothing of these.  One set, so the lease
         # path pays one lookup for both.
         self._stopped: set[str] = set(self._paused)
-        # Tokens in a worker's hands whose message an administrator held: their recipient is
-        # held when the attempt ends undelivered (``hold``); token -> the hold's reason.
-        self._hold_on_return: dict[int, str] = {}
-        self._returning: set[asyncio.Future[int | None]] = set()  # holds of a gone worker's leases
 
     @classmethod
     def from_config(
@@ -508,7 +512,8 @@ class QueueService:
             if settled is not None:
                 work.append(_guarded(item.token, settled))
             elif item.result is Result.DEFERRED and self._body_damaged(lease, item, checked):
-                work.append(self._quarantine_message(item.token, lease, checked))
+                reason = f"quarantined: damaged body ({checked[lease.recipient.msg_id]})"
+                work.append(self._quarantine_message(item.token, lease, outcome, now, reason))
             elif item.result is Result.DEFERRED:
                 next_at = self._next_attempt(lease, now)
                 if next_at is not None:
@@ -650,17 +655,29 @@ class QueueService:
                 # the deferrals stand, and the next one owes the notice still.
                 pass
         work: list[Awaitable[int | None]] = []
-        carried = False
+        shared = _SharedNotice(notice) if notice is not None else None
         for token, lease, delay, outcome, next_at in group:
-            held, with_notice = lease, None
-            if notice is not None and delay is not None:
-                if carried:  # listed in the notice another one carries: only the flag
-                    held = replace(lease, recipient=replace(lease.recipient, delay_notified=True))
-                else:
-                    with_notice, carried = notice, True
-            defer = self._store.defer(held, now, next_at, outcome, delay_notice=with_notice)
+            if shared is not None and delay is not None:
+                defer = self._defer_listed(lease, now, next_at, outcome, shared)
+            else:
+                defer = self._store.defer(lease, now, next_at, outcome)
             work.append(_guarded(token, defer))
         return work
+
+    async def _defer_listed(
+        self, lease: Lease, now: int, next_at: int, outcome: Outcome, shared: _SharedNotice
+    ) -> None:
+        """Defer one recipient listed in a shared delay notice.  The notice rides with the
+        first whose lease the store still holds when its deferral is written (no await
+        between the look and the write): one revoked meanwhile (an administrator deleted
+        that recipient) is refused, and the notice must not go down with it, or the others
+        would be flagged as told and nobody would be.  The others carry only the flag."""
+        notice: Notice | None = None
+        if shared.carried:
+            lease = replace(lease, recipient=replace(lease.recipient, delay_notified=True))
+        elif self._store.holds(lease):
+            notice, shared.carried = shared.notice, True
+        await self._store.defer(lease, now, next_at, outcome, delay_notice=notice)
 
     def _bounce(
         self, msg_id: int, group: list[tuple[int, Lease, Failure, Outcome, bool]], now: int
@@ -741,23 +758,26 @@ class QueueService:
         return checked[msg_id] is not None
 
     async def _quarantine_message(
-        self, token: int, lease: Lease, checked: dict[int, str | None]
+        self, token: int, lease: Lease, outcome: Outcome, now: int, reason: str
     ) -> int | None:
         """Hold the message whose body is damaged, this recipient with the rest, with the
         damage as the reason: out of circulation, kept for an operator to inspect, and
         shown as held (``zoneq queue show``), where a deferral would retry it until it
-        expired.  The token if it was held."""
+        expired.  The token if this recipient was held (its attempt recorded).
+
+        This lease is never given back first: ready, it could be handed out again before
+        the hold.  It stays leased through the message's hold (which marks it) and ends
+        held (``hold_leased``), even when the message's metadata is too damaged to hold the
+        rest.  A lease revoked meanwhile (the message deleted) is refused."""
+        if not self._store.holds(lease):
+            return None
         msg_id = lease.recipient.msg_id
-        reason = f"quarantined: damaged body ({checked[msg_id]})"
         log.error("message %s: %s; held", format_id(msg_id), reason)
-        with contextlib.suppress(LeaseError):
-            self._store.release(lease)  # ready for the hold below (it holds what is not leased)
         try:
             await self.hold(msg_id, reason)
-        except (NotFound, StorageUnavailable) as exc:
-            log.warning("message %s: not held: %s", format_id(msg_id), exc)
-            return None
-        return token
+        except (NotFound, StorageCorruption, StorageUnavailable) as exc:
+            log.warning("message %s: its other recipients not held: %s", format_id(msg_id), exc)
+        return await _guarded(token, self._store.hold_leased(lease, reason, now, outcome))
 
     def _original_start(self, meta: MessageMeta) -> bytes:
         start = b""
@@ -783,55 +803,30 @@ class QueueService:
         given back first and held with the rest.  Recipients in flight finish their attempt:
         delivered or bounced, they are done (a hold cannot call back a message the remote
         has); deferred, returned, or left by a worker that went away, they are held, not
-        made ready (``_hold_at_end``).  That promise is written to disk before the answer
-        (``QueueStore.mark_hold_on_return``), so a restart mid-attempt holds them too.
+        made ready.  The store decides that when it writes their outcome, by a mark it
+        stages (and writes to disk, so a restart mid-attempt holds them too) together with
+        the hold of the rest (``storage/holdmarks.py``): with no await between giving the
+        jobs back and that, nothing can lease one in between, and a report whose outcome
+        is not written yet is caught as well.
         """
         for zone in self._zones.values():
             for job in zone.queue.remove(msg_id):
                 for lease in job.items:
                     with contextlib.suppress(LeaseError):
                         self._store.release(lease)
-        in_flight = [
-            lease
-            for lease, _ in self._leases.values()
-            if lease.recipient.msg_id == msg_id and self._store.holds(lease)
-        ]
-        for lease in in_flight:  # before the await: a report meanwhile is held already
-            self._hold_on_return[lease.token] = reason
-        if in_flight:
-            await self._store.mark_hold_on_return([lease.key for lease in in_flight], reason)
-        return HoldCount(await self._store.hold(msg_id, reason), len(in_flight))
+        now, on_return = await self._store.hold_counted(msg_id, reason)
+        return HoldCount(now, on_return)
 
     def _settled(
         self, lease: Lease, item: RecipientOutcome, outcome: Outcome, now: int
     ) -> Awaitable[None] | None:
-        """The store's call that ends this attempt on its own: a delivery, a job given back
-        untried, or the hold of a message held while it was on the wire; None for a
-        deferral or a bounce (grouped by message: ``_defer``, ``_bounce``)."""
-        if self._hold_on_return:
-            hold = self._hold_at_end(lease, item, outcome, now)
-            if hold is not None:
-                return hold
+        """The store's call that ends this attempt on its own: a delivery, or a job given
+        back untried; None for a deferral or a bounce (grouped by message: ``_defer``,
+        ``_bounce``).  A message held while this was on the wire is the store's to hold."""
         if item.result is Result.DELIVERED:
             return self._store.complete(lease, now, outcome)
         if item.result is Result.RETURNED:
             return _release(self._store, lease)
-        return None
-
-    def _hold_at_end(
-        self, lease: Lease, item: RecipientOutcome, outcome: Outcome, now: int
-    ) -> Awaitable[None] | None:
-        """The hold that ends this attempt, if an administrator held its message while it
-        was on the wire and it ended undelivered: deferred (its DEFERRED event written) or
-        returned.  None: it goes its usual way (delivered; bounced, or expired, whose DSN
-        is owed whatever the hold)."""
-        reason = self._hold_on_return.pop(item.token, None)
-        if reason is None:
-            return None
-        if item.result is Result.RETURNED:
-            return self._store.hold_leased(lease, reason, now)
-        if item.result is Result.DEFERRED and self._next_attempt(lease, now) is not None:
-            return self._store.hold_leased(lease, reason, now, outcome)
         return None
 
     # --- bodies and connections -----------------------------------------------------------
@@ -847,13 +842,7 @@ class QueueService:
         ]
         for token in mine:
             lease = self._finish(token)
-            reason = self._hold_on_return.pop(token, None)
-            if reason is not None:  # its message was held meanwhile: held, not ready
-                hold = self._store.hold_leased(lease, reason, self._clock())
-                task = asyncio.ensure_future(_guarded(token, hold))
-                self._returning.add(task)
-                task.add_done_callback(self._returning.discard)
-                continue
+            # (Held instead, by the store, if its message was held meanwhile.)
             with contextlib.suppress(LeaseError):  # revoked meanwhile (dropped by an admin)
                 self._store.release(lease)
         for zone in self._zones.values():

@@ -21,6 +21,7 @@ from zoneq.storage.base import (
     log,
 )
 from zoneq.storage.counters import MESSAGES, domain_key, zone_key
+from zoneq.storage.holdmarks import mark, unmark, unmark_message, write_hold
 from zoneq.storage.leveldb import Op
 from zoneq.storage.records import (
     MessageMeta,
@@ -132,6 +133,8 @@ class AdminMixin(StoreBase):
             if address is not None and not same_mailbox(rcpt, address):
                 continue
             ops.extend(self._remove_key(key, state, record))
+            if self._hold_marks:  # a leased one's hold on return goes with it
+                ops.extend(unmark(self._hold_marks, key))
             event = Event(
                 EventKind.DROPPED,
                 now_ms,
@@ -199,14 +202,33 @@ class AdminMixin(StoreBase):
         return len(mine)
 
     async def hold(self, msg_id: int, reason: str = "held by administrator") -> int:
-        """Put a message's ready and deferred recipients on hold (leased ones finish first)."""
+        """Put a message's ready and deferred recipients on hold; how many.  Leased ones are
+        held when their attempt ends undelivered (``hold_counted``)."""
+        held, _ = await self.hold_counted(msg_id, reason)
+        return held
+
+    async def hold_counted(
+        self, msg_id: int, reason: str = "held by administrator"
+    ) -> tuple[int, int]:
+        """Hold a message: its ready and deferred recipients now, its leased ones when their
+        attempt ends undelivered (marked: ``holdmarks.py``); (held now, marked).
+
+        Everything is decided and staged before the first ``await``, so no lease, outcome
+        or release can come between what this reads and what it marks.
+        """
         self._check()
         ops: list[Op] = []
+        marked: list[bytes] = []
         held = 0
         for queued in self.recipients(msg_id):
+            record = queued.recipient
+            if queued.state is State.LEASED:
+                key = keys.record(keys.READY, record.zone, msg_id, record.address)
+                ops.append(mark(self._hold_marks, key, reason))
+                marked.append(key)
+                continue
             if queued.state not in (State.READY, State.DEFERRED):
                 continue
-            record = queued.recipient
             ops.extend(self._remove_record(queued))
             self._counters.move(record.zone, record.domain, None, State.HELD)
             on_hold = replace(record, hold_reason=reason)
@@ -215,13 +237,19 @@ class AdminMixin(StoreBase):
             )
             held += 1
         if ops:
-            await self._writer.submit(ops, sync=False)
-        return held
+            await write_hold(self._writer, self._hold_marks, ops, marked, reason)
+        return held, len(marked)
 
     async def unhold(self, msg_id: int) -> int:
-        """Release a held message: its recipients are ready at once."""
+        """Release a held message: its recipients are ready at once, and those on the wire
+        are no longer held when they return (their marks go in the same group)."""
         self._check()
-        return await self._make_ready(q for q in self.recipients(msg_id) if q.state is State.HELD)
+        unmarked = unmark_message(self._hold_marks, msg_id) if self._hold_marks else []
+        landing = self._writer.submit(unmarked, sync=False) if unmarked else None
+        moved = await self._make_ready(q for q in self.recipients(msg_id) if q.state is State.HELD)
+        if landing is not None:
+            await landing
+        return moved
 
     async def retry_now(
         self, zone: str, *, msg_id: int | None = None, domain: str | None = None

@@ -130,6 +130,8 @@ class StoreBase:
         self._floors_written = (0, 0)
         self._tokens = itertools.count(secrets.randbits(48))
         self._leases = LeaseTable()  # with a count per zone (``count(zone, LEASED)``)
+        # Leased recipients to hold when their attempt ends undelivered (``holdmarks.py``).
+        self._hold_marks: dict[bytes, str] = {}
         # Outcomes on their way to disk (their leases taken, their batches not landed), and
         # outcomes held while the database cannot write (``held.py``).
         self._settling: dict[bytes, Held] = {}

@@ -13,14 +13,8 @@ the state it is removed from, and the O(1) counters stay exact.
 Paused zones are store-wide values in the ``meta`` family (``meta "paused-zone" <zone>``),
 so a pause survives a restart; the queue service consults them before handing out work.
 
-Holds that wait for an attempt: a hold cannot move a recipient that is on the wire (its
-worker's report must still find it ready), so the queue service holds it when its attempt
-ends without a delivery (``QueueService.hold``).  That promise is kept in memory by the
-service, and on disk here as ``meta "hold-on-return" <ready key>`` -> reason, written
-(synced) before the hold answers: a lease does not survive a restart, so without it a core
-that stopped mid-attempt would make the recipient ready again and send a message the
-administrator held.  At start-up (``recover``) every marked recipient still ready is held;
-a mark whose recipient was delivered or bounced meanwhile is just removed.
+Holds that wait for an attempt (``holdmarks.py``): a hold of a zone marks the leased
+recipients it passes over, as a hold of a message does, so they are held when they return.
 """
 
 from __future__ import annotations
@@ -32,20 +26,15 @@ from zoneq.errors import NotFound, StorageCorruption
 from zoneq.protocol.events import EventKind
 from zoneq.storage import keys
 from zoneq.storage.base import STATE_FAMILY, Outcome, QueuedRecipient, StoreBase
+from zoneq.storage.holdmarks import mark, unmark, write_hold
 from zoneq.storage.leveldb import Op
 from zoneq.storage.records import MessageMeta, State
 
 _PAUSED = keys.meta("paused-zone")
-HOLD_MARKS = keys.meta("hold-on-return")  # + a ready key -> the hold's reason
 
 
 def _paused_key(zone: str) -> bytes:
     return _PAUSED + keys.text(zone)
-
-
-def hold_mark_key(ready_key: bytes) -> bytes:
-    """The mark of a leased recipient to hold when its attempt ends (see the top)."""
-    return HOLD_MARKS + ready_key
 
 
 class BulkMixin(StoreBase):
@@ -71,6 +60,9 @@ class BulkMixin(StoreBase):
         for queued in chosen:
             record = queued.recipient
             ops.extend(self._remove_record(queued))
+            if self._hold_marks and queued.state in (State.READY, State.LEASED):
+                ready_key = keys.record(keys.READY, record.zone, record.msg_id, record.address)
+                ops.extend(unmark(self._hold_marks, ready_key))
             ops.append(self._outcome_event(EventKind.DROPPED, record, now_ms, sizes[record.msg_id]))
             gone[record.msg_id] = gone.get(record.msg_id, 0) + 1
         removed = {key for key, value in ops if value is None}
@@ -106,17 +98,21 @@ class BulkMixin(StoreBase):
             return 0
 
     async def hold_many(self, chosen: Sequence[QueuedRecipient], reason: str) -> int:
-        """Put these recipients on hold; leased ones are passed over (they may be on the
-        wire and finish their attempt, as :meth:`hold` does); how many were held."""
+        """Put these recipients on hold; how many were held.  Leased ones are marked, held
+        when their attempt ends undelivered (``holdmarks.py``), as :meth:`hold` does."""
         self._check()
         ops: list[Op] = []
+        marked: list[bytes] = []
         held = 0
         for queued in chosen:
             record = queued.recipient
             if queued.state not in (State.READY, State.DEFERRED):
                 continue
             family = STATE_FAMILY[queued.state]
-            if keys.record(family, record.zone, record.msg_id, record.address) in self._leases:
+            key = keys.record(family, record.zone, record.msg_id, record.address)
+            if key in self._leases:
+                ops.append(mark(self._hold_marks, key, reason))
+                marked.append(key)
                 continue
             ops.extend(self._remove_record(queued))
             self._counters.move(record.zone, record.domain, None, State.HELD)
@@ -125,7 +121,7 @@ class BulkMixin(StoreBase):
             ops.append((held_key, on_hold.encode()))
             held += 1
         if ops:
-            await self._writer.submit(ops, sync=False)
+            await write_hold(self._writer, self._hold_marks, ops, marked, reason)
         return held
 
     async def ready_many(self, chosen: Sequence[QueuedRecipient]) -> int:
@@ -148,12 +144,3 @@ class BulkMixin(StoreBase):
             zone, _ = keys.split_text(key, len(_PAUSED))
             found.add(zone)
         return found
-
-    # --- holds that wait for an attempt to end ------------------------------------------
-
-    async def mark_hold_on_return(self, leased: Sequence[bytes], reason: str) -> None:
-        """Remember on disk (synced: the administrator is told they will be held) that the
-        leased records at these ready keys are to be held when their attempt ends."""
-        self._check()
-        value = reason.encode()
-        await self._writer.submit([(hold_mark_key(key), value) for key in leased], sync=True)

@@ -13,8 +13,8 @@ from zoneq.protocol.events import Event
 from zoneq.protocol.ids import COUNTER_BITS, id_time_ms
 from zoneq.storage import keys
 from zoneq.storage.base import FAMILY_STATE, StoreBase, log
-from zoneq.storage.bulk import HOLD_MARKS
 from zoneq.storage.counters import MESSAGES, domain_key, zone_key
+from zoneq.storage.holdmarks import HOLD_MARKS
 from zoneq.storage.leveldb import Op
 from zoneq.storage.records import (
     State,

@@ -37,11 +37,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from zoneq.errors import NotFound, StorageCorruption
+from zoneq.errors import LeaseError, NotFound, StorageCorruption
 from zoneq.protocol.events import EventKind, event_record
 from zoneq.protocol.ids import format_id, id_time_ms
 from zoneq.storage import keys
@@ -54,9 +54,10 @@ from zoneq.storage.base import (
     ready_prefix,
     run_all,
 )
-from zoneq.storage.bulk import BulkMixin, hold_mark_key
+from zoneq.storage.bulk import BulkMixin
 from zoneq.storage.counters import MESSAGES, domain_key, zone_key
 from zoneq.storage.held import Held, HeldMixin, notice_size
+from zoneq.storage.holdmarks import unmark
 from zoneq.storage.leveldb import Database, Op
 from zoneq.storage.maintenance import MaintenanceMixin
 from zoneq.storage.records import (
@@ -368,7 +369,17 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         return leases
 
     def release(self, lease: Lease) -> None:
-        """Give a lease back unchanged (the worker did not try): ready again at once."""
+        """Give a lease back unchanged (the worker did not try): ready again at once, or
+        held if its message was held meanwhile (``holdmarks.py``)."""
+        if self._hold_marks and lease.key in self._hold_marks:
+            self._current(lease)
+            # Still leased until the task below stages the hold: never handed out meanwhile.
+            hold = self.hold_leased(lease, self._hold_marks[lease.key], 0)
+            task = asyncio.get_running_loop().create_task(hold)
+            self._replays.add(task)  # drained with the held outcomes' replays
+            task.add_done_callback(self._replays.discard)
+            task.add_done_callback(_released_held)
+            return
         self._take(lease)
         self._cursor_back(lease.recipient.zone, lease.key)
 
@@ -392,6 +403,8 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         self._counters.move(record.zone, record.domain, State.READY, None)
         if head is not None:
             ops.extend(self._recipients_gone(record.msg_id, head))
+        if self._hold_marks:  # delivered: a hold on return has nothing left to hold
+            ops.extend(unmark(self._hold_marks, lease.key))
         await self._write_outcome(held, ops, sync=False)
 
     async def defer(
@@ -415,6 +428,11 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         if self._hold_if_failed(held):
             return
         self._current(lease)
+        if self._hold_marks and lease.key in self._hold_marks:
+            # Its message was held while it was on the wire: held, not deferred.
+            reason = self._hold_marks[lease.key]
+            await self._held_at_end(held, reason, now_ms, outcome, delay_notice)
+            return
         record = lease.recipient.after_attempt(now_ms, outcome.reply, next_attempt_ms)
         if delay_notice is not None:
             record = replace(record, delay_notified=True)
@@ -439,25 +457,46 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
     async def hold_leased(
         self, lease: Lease, reason: str, now_ms: int, outcome: Outcome | None = None
     ) -> None:
-        """End a lease by holding its recipient: an administrator held its message while it
-        was on the wire, and the attempt did not deliver it (``outcome``: the deferral, with
-        its DEFERRED event; None: returned untried).  Removes the hold's mark (``bulk.py``).
-        """
+        """End a lease by holding its recipient (``outcome``: the failed attempt, written
+        with its DEFERRED event; None: returned untried, ``now_ms`` unused).  How a marked
+        lease ends undelivered (``holdmarks.py``), and how a damaged message's lease ends
+        (``QueueService``'s quarantine).  Removes the lease's mark, if it has one."""
         held = Held(lease, functools.partial(self.hold_leased, lease, reason, now_ms, outcome))
         if self._hold_if_failed(held):
             return
         self._current(lease)
+        await self._held_at_end(held, reason, now_ms, outcome)
+
+    def _held_at_end(
+        self,
+        held: Held,
+        reason: str,
+        now_ms: int,
+        outcome: Outcome | None,
+        delay_notice: Notice | None = None,
+    ) -> Awaitable[None]:
+        """Stage the hold that ends ``held``'s lease (the lease checked current)."""
+        lease = held.lease
         record = lease.recipient
         if outcome is not None:
             record = record.after_attempt(now_ms, outcome.reply)
+        if delay_notice is not None:
+            record = replace(record, delay_notified=True)
         record = replace(record, hold_reason=reason)
         held_key = keys.record(keys.HELD, record.zone, record.msg_id, record.address)
         ops: list[Op] = [(lease.key, None), (held_key, record.encode())]
-        ops.append((hold_mark_key(lease.key), None))
+        ops.extend(unmark(self._hold_marks, lease.key))
         if outcome is not None:
             ops.append(self._outcome_event(EventKind.DEFERRED, record, now_ms, outcome))
         self._counters.move(record.zone, record.domain, State.READY, State.HELD)
-        await self._write_outcome(held, ops, sync=False)
+        effect = None
+        if delay_notice is not None and outcome is not None:
+            # The delay was real (RFC 3461 section 4.1): the sender is told all the same.
+            notice_ops, ready = self._notice_ops(delay_notice, now_ms)
+            ops.extend(notice_ops)
+            ops.append(self._outcome_event(EventKind.DELAYED, record, now_ms, outcome))
+            effect = self._readied(ready)
+        return self._write_outcome(held, ops, sync=delay_notice is not None, effect=effect)
 
     async def bounce(
         self,
@@ -488,6 +527,8 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         self._counters.move(record.zone, record.domain, State.READY, None)
         if head is not None:
             ops.extend(self._recipients_gone(record.msg_id, head))
+        if self._hold_marks:  # bounced (its DSN is owed whatever the hold): done
+            ops.extend(unmark(self._hold_marks, lease.key))
         effect = None
         if notice is not None:
             notice_ops, ready = self._notice_ops(notice, now_ms)
@@ -632,3 +673,13 @@ __all__ = [
     "QueuedRecipient",
     "new_recipients",
 ]
+
+
+def _released_held(task: asyncio.Task[None]) -> None:
+    """A job given back and held on return (``QueueStore.release``): a lease revoked
+    meanwhile (the message deleted) leaves nothing to hold; anything else is logged."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, LeaseError):
+        log.error("a recipient given back was not held: %s", exc)
