@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tests.queue.test_service import BOUNCES, Clock, Z, outcome, service_for
 from tests.reliability.test_corruption import corrupt_key
@@ -23,7 +26,7 @@ from zoneq.storage.store import QueueStore
 
 GARBAGE = b"\xc1\xff not a head \x00"  # 0xc1 is never valid msgpack
 BODY = (b"From: a@example.org\r\nSubject: damaged\r\n\r\n", b"line one\r\n" * 20)
-LOCAL_FAULT = {"reply": "reading the message body failed", "enhanced": "4.3.0"}
+DAMAGED = {"reply": "reading the message body failed", "enhanced": "4.6.0"}
 
 
 def damage(path: Path, writes: Mapping[bytes, bytes | None]) -> None:
@@ -125,7 +128,7 @@ async def test_a_local_fault_on_a_short_or_missing_chunk_quarantines_the_message
         service = service_for(store, Clock())
         jobs = await service.lease(Z, "w1", max_jobs=3)
         assert len(jobs) == 3
-        report = [item for job in jobs for item in outcome(job, Result.DEFERRED, **LOCAL_FAULT)]
+        report = [item for job in jobs for item in outcome(job, Result.DEFERRED, **DAMAGED)]
         accepted, _ = await service.report("w1", report)
         assert len(accepted) == 3
         await store.drain()
@@ -143,8 +146,18 @@ async def test_a_local_fault_on_a_short_or_missing_chunk_quarantines_the_message
         await store.close()
 
 
+@pytest.mark.parametrize(
+    "fault",
+    [
+        {"reply": "451 4.3.0 busy", "code": 451, "enhanced": "4.3.0"},  # the remote's
+        {"reply": "local error: ValueError", "enhanced": "4.3.0"},  # the worker's, not the body
+    ],
+    ids=["remote-451", "local-error"],
+)
 @async_test
-async def test_a_remote_deferral_does_not_read_the_body(tmp_path: Path) -> None:
+async def test_another_deferral_does_not_read_the_body(
+    tmp_path: Path, fault: dict[str, Any]
+) -> None:
     path = tmp_path / "queue"
     (msg_id,) = await queued(path, [("a@one.test", Z)])
     damage(path, {keys.message_chunk(msg_id, 1): None})
@@ -152,10 +165,10 @@ async def test_a_remote_deferral_does_not_read_the_body(tmp_path: Path) -> None:
     try:
         service = service_for(store, Clock())
         (job,) = await service.lease(Z, "w1")
-        busy = outcome(job, Result.DEFERRED, reply="451 4.3.0 busy", code=451, enhanced="4.3.0")
-        await service.report("w1", busy)
+        await service.report("w1", outcome(job, Result.DEFERRED, **fault))
         await store.drain()
-        # Only a fault of the worker's own makes the core look: a remote 451 is a deferral.
+        # Only a damaged body reported as such makes the core read it (a whole body, on
+        # the event loop): any other deferral, a fault of the worker's own included, not.
         assert store.count(Z, State.DEFERRED) == 1 and store.quarantined == []
     finally:
         await store.close()
@@ -177,7 +190,7 @@ async def test_a_quarantine_with_corrupt_metadata_holds_the_recipient_and_the_re
     (bad_job,) = [job for job in jobs if job.msg_id == bad]
     (good_job,) = [job for job in jobs if job.msg_id == good]
     items = [
-        *outcome(bad_job, Result.DEFERRED, **LOCAL_FAULT),
+        *outcome(bad_job, Result.DEFERRED, **DAMAGED),
         *outcome(good_job, Result.DELIVERED, reply="250 ok"),
     ]
     accepted, refused = await service.report("w1", items)
@@ -198,7 +211,7 @@ async def test_a_quarantined_recipient_is_not_handed_out_again(store: QueueStore
     (job_a,) = await service.lease(Z, "w1", max_jobs=1)
     (job_b,) = await service.lease(Z, "w2", max_jobs=1)
     reported = asyncio.ensure_future(
-        service.report("w1", outcome(job_a, Result.DEFERRED, **LOCAL_FAULT))
+        service.report("w1", outcome(job_a, Result.DEFERRED, **DAMAGED))
     )
     for _ in range(3):
         await asyncio.sleep(0)
@@ -224,9 +237,7 @@ async def test_a_quarantine_refuses_a_revoked_lease(store: QueueStore) -> None:
     store.database.write([(keys.message_chunk(msg, 1), None)], sync=True)
     (job,) = await service.lease(Z, "w1", max_jobs=1)
     address = job.recipients[0].address
-    reported = asyncio.ensure_future(
-        service.report("w1", outcome(job, Result.DEFERRED, **LOCAL_FAULT))
-    )
+    reported = asyncio.ensure_future(service.report("w1", outcome(job, Result.DEFERRED, **DAMAGED)))
     dropped = asyncio.ensure_future(store.drop(msg, T0, address))
     accepted, refused = await reported
     assert await dropped == 1

@@ -70,6 +70,8 @@ from zoneq.delivery.transport import (
     TlsPolicy,
     deliver,
 )
+from zoneq.delivery.transport.abort import DAMAGED_BODY
+from zoneq.delivery.transport.data import body_damaged
 from zoneq.ipc.messages import Job, Outcome, RecipientReport
 from zoneq.plugin import ConnectArgs, Hook, PluginFailure, PluginHost, SenderHeadersArgs
 from zoneq.protocol.domains import normal_domain
@@ -454,6 +456,10 @@ async def _sender_headers(
         result = await plugins.call(Hook.SENDER_HEADERS, args)
     except PluginFailure as exc:
         log.error("%s: %x to %s deferred", exc, job.msg_id, job.domain)
+        if exc.__cause__ is not None and body_damaged(exc.__cause__):
+            # The plugin read the body (DKIM signs it) and met the damage: the message's
+            # fault, not the plugin's, reported as sending the body would have.
+            return [_damaged(r.token, exc.__cause__) for r in job.recipients]
         return [_refused(r.token, _plugin_failed(exc), None, None) for r in job.recipients]
     if result.reply is not None:
         return [_refused(r.token, result.reply, None, None) for r in job.recipients]
@@ -464,6 +470,16 @@ async def _sender_headers(
 def _plugin_failed(exc: PluginFailure) -> Reply:
     """451 4.3.0 (our own fault, RFC 3463 section 3.4) naming the plugin, for the event."""
     return Reply(451, (f"plugin {exc.plugin} failed at {exc.hook}",), EnhancedStatus(4, 3, 0))
+
+
+def _damaged(token: int, exc: BaseException) -> RecipientReport:
+    """A recipient deferred because its stored message is damaged (no remote reply)."""
+    return RecipientReport(
+        token,
+        Outcome.DEFERRED,
+        reply=f"reading the message body failed: {type(exc).__name__}: {exc}",
+        enhanced=str(DAMAGED_BODY),
+    )
 
 
 def _refused(token: int, reply: Reply, mx: str | None, source_ip: str | None) -> RecipientReport:

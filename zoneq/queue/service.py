@@ -78,9 +78,9 @@ DEFAULT_WINDOW: Final = 2000  # recipients leased ahead per zone
 RESCAN_S: Final = 1.0
 DEFAULT_DOMAIN_CONNECTIONS: Final = 10
 EXPIRED_STATUS: Final = "4.4.7"  # RFC 3463: delivery time expired
-# RFC 3463 X.3.0, with no remote reply: what a worker reports for a fault of its own
-# (``delivery/transport/abort.py``, ``LOCAL_ERROR``), a body it could not send whole included.
-LOCAL_FAULT_STATUS: Final = "4.3.0"
+# RFC 3463 X.6.0, with no remote reply: what a worker reports when the stored message is
+# damaged (``delivery/transport/abort.py``, ``DAMAGED_BODY``): a chunk missing or short.
+DAMAGED_BODY_STATUS: Final = "4.6.0"
 
 
 class Result(enum.Enum):
@@ -735,16 +735,17 @@ class QueueService:
     def _body_damaged(
         self, lease: Lease, item: RecipientOutcome, checked: dict[int, str | None]
     ) -> bool:
-        """Whether a worker's local fault was a damaged body (``checked`` remembers each
-        message's verdict for the rest of the report).
+        """Whether the body a worker found damaged is (``checked`` remembers each message's
+        verdict for the rest of the report).
 
         A worker that cannot send a body whole (a chunk missing, or fewer octets than the
-        message's size) closes the connection without the final dot and defers with a local
-        error; retried, it would fail the same way until the message expired.  So a local
-        fault makes the core check the stored body (a read of it, on this rare path only),
-        and a damaged one goes to quarantine (``_quarantine_message``) instead.
+        message's size) closes the connection without the final dot and defers with
+        ``DAMAGED_BODY_STATUS``; retried, it would fail the same way until the message
+        expired.  So that status, and no other local fault, makes the core check the stored
+        body (a read of it, once: the message is then held), and a damaged one goes to
+        quarantine (``_quarantine_message``) instead.
         """
-        if item.code is not None or item.enhanced != LOCAL_FAULT_STATUS:
+        if item.code is not None or item.enhanced != DAMAGED_BODY_STATUS:
             return False
         msg_id = lease.recipient.msg_id
         if msg_id not in checked:

@@ -19,11 +19,17 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterable, Iterable
 from typing import Final
 
-from zoneq.delivery.transport.abort import BAD_CONNECTION, LOCAL_ERROR, Abort, lost
+from zoneq.delivery.transport.abort import (
+    BAD_CONNECTION,
+    DAMAGED_BODY,
+    LOCAL_ERROR,
+    Abort,
+    lost,
+)
 from zoneq.delivery.transport.channel import Channel, ChannelClosed, ChannelTimeout
 from zoneq.delivery.transport.ledger import Ledger
 from zoneq.delivery.transport.options import BodySource, Timeouts
-from zoneq.errors import ZoneqError
+from zoneq.errors import NotFound, ZoneqError
 from zoneq.protocol.encoder import DotStuffer
 from zoneq.protocol.replies import Reply, Stage, Verdict
 
@@ -44,6 +50,13 @@ async def body_chunks(
 
 class BodySizeMismatch(ZoneqError):
     """The stored body did not add up to the message's size: a chunk was torn or lost."""
+
+
+def body_damaged(exc: BaseException) -> bool:
+    """Whether reading a body failed because the stored message is damaged (a chunk the
+    core no longer has, or chunks that do not add up to the size), not for a passing
+    fault (the core's storage unavailable, the connection to it lost)."""
+    return isinstance(exc, (BodySizeMismatch, NotFound))
 
 
 async def exact_size(
@@ -96,7 +109,7 @@ async def send_body(
                 raise Abort(
                     Stage.DATA,
                     Verdict.DEFER,
-                    status=LOCAL_ERROR,
+                    status=DAMAGED_BODY if body_damaged(exc) else LOCAL_ERROR,
                     detail=f"reading the message body failed: {type(exc).__name__}: {exc}",
                 ) from None
             pending += stuffer.feed(chunk)
