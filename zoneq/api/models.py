@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from zoneq.protocol.domains import normal_domain
+from zoneq.protocol.domains import bare_domain
 from zoneq.storage.records import State
 
 
@@ -72,7 +72,7 @@ def domain_filter(value: str | None) -> str | None:
     empty.  A name IDNA refuses is kept lower-cased, as the queue keeps such a name."""
     if value is None:
         return None
-    domain = normal_domain(value.strip()).rstrip(".")
+    domain = bare_domain(value.strip())
     if not domain:
         raise ValueError("must not be empty: leave the field out to match any")
     return domain

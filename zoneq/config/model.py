@@ -51,7 +51,7 @@ from zoneq.config.types import (
 )
 from zoneq.config.types import Section as _Section
 from zoneq.config.zones import ConnectionLimits, Pool, Rate, Smarthost, parse_rate
-from zoneq.protocol.domains import normal_domain
+from zoneq.protocol.domains import bare_domain
 from zoneq.protocol.retry import (
     BOUNCE_MAX_AGE,
     DEFAULT_MAX_AGE,
@@ -261,7 +261,7 @@ class DeliveryConfig(_Section):
     def tls_for(self, domain: str) -> str:
         """The STARTTLS policy for mail to ``domain`` (the keys' normal form: case and
         U-label or A-label do not matter)."""
-        return self.tls_policy.get(normal_domain(domain).rstrip("."), self.tls)
+        return self.tls_policy.get(bare_domain(domain), self.tls)
 
     @field_validator("tls_policy")
     @classmethod

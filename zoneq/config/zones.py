@@ -15,7 +15,7 @@ from pydantic import AfterValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from zoneq.config.types import HostName, Section, domain_keys, problems_error
-from zoneq.protocol.domains import normal_domain
+from zoneq.protocol.domains import bare_domain
 
 __all__ = [
     "ConnectionLimits",
@@ -112,7 +112,7 @@ def limit_for(limits: dict[str, int], name: str) -> int | None:
     written with a leading dot; None when nothing matches (the caller's default applies).
     ``name`` is put in the keys' normal form (``domain_keys``) first, so a U-label finds
     its A-label's limit (a record queued before domains were normalised has one)."""
-    name = normal_domain(name).rstrip(".")
+    name = bare_domain(name)
     if name in limits:
         return limits[name]
     labels = name.split(".")

@@ -70,14 +70,13 @@ from zoneq.delivery.transport import (
     TlsPolicy,
     deliver,
 )
-from zoneq.delivery.transport.abort import DAMAGED_BODY
 from zoneq.delivery.transport.data import body_damaged
 from zoneq.ipc.messages import Job, Outcome, RecipientReport
 from zoneq.plugin import ConnectArgs, Hook, PluginFailure, PluginHost, SenderHeadersArgs
-from zoneq.protocol.domains import normal_domain
+from zoneq.protocol.domains import bare_domain
 from zoneq.protocol.dsn import Notify, Ret
 from zoneq.protocol.ids import format_id
-from zoneq.protocol.replies import EnhancedStatus, Reply, Verdict
+from zoneq.protocol.replies import DAMAGED_BODY, EnhancedStatus, Reply, Verdict
 from zoneq.protocol.reply_rules import ReplyRule, first_match
 
 log = logging.getLogger("zoneq.delivery")
@@ -121,7 +120,7 @@ class Settings:
             return self.relay.tls
         # The policy's keys are A-labels (config); a job queued before domains were
         # normalised may still carry a U-label.
-        return self.tls_policy.get(normal_domain(domain).rstrip("."), self.tls)
+        return self.tls_policy.get(bare_domain(domain), self.tls)
 
     @property
     def families(self) -> frozenset[int] | None:

@@ -19,7 +19,7 @@ import functools
 
 import idna
 
-__all__ = ["a_label", "normal_domain"]
+__all__ = ["a_label", "bare_domain", "normal_domain"]
 
 
 def a_label(domain: str) -> str:
@@ -55,6 +55,12 @@ def normal_domain(domain: str) -> str:
         return _encoded(lowered)
     except ValueError:
         return lowered
+
+
+def bare_domain(domain: str) -> str:
+    """``normal_domain`` without the root's dot (``example.com.`` is ``example.com``): the
+    form lookups key by (routing, limits, TLS policy, the admin filters)."""
+    return normal_domain(domain).rstrip(".")
 
 
 # Non-ASCII names are few and repeat (a list message goes to the same few domains); the

@@ -76,7 +76,7 @@ def _count_byte(data: bytes, byte: bytes) -> int:
     return len(data) - len(data.replace(byte, b""))
 
 
-def _to_crlf(data: bytes) -> bytes:
+def to_crlf(data: bytes) -> bytes:
     """Turn every CRLF, bare CR and bare LF of ``data`` into CRLF (RFC 5321 section 2.3.8)."""
     if b"\r" not in data:
         return data.replace(b"\n", _CRLF)  # LF-only text (or no line ending at all)
@@ -162,7 +162,7 @@ class DotStuffer:
             return b""
         # A trailing CR is sent now as CRLF; an LF opening the next chunk is then dropped.
         self._skip_lf = chunk[-1] == 0x0D
-        wire = _to_crlf(chunk).replace(b"\r\n.", b"\r\n..")
+        wire = to_crlf(chunk).replace(b"\r\n.", b"\r\n..")
         if self._col == 0 and wire[0] == 0x2E:  # the chunk starts a line with "."
             wire = b"." + wire
         if self._limit and not _fits(wire, self._col, self._limit):

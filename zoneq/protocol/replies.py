@@ -19,6 +19,7 @@ from typing import Final
 from zoneq.errors import ProtocolError
 
 __all__ = [
+    "DAMAGED_BODY",
     "INSUFFICIENT_STORAGE",
     "LOCAL_ERROR",
     "Category",
@@ -287,6 +288,11 @@ INSUFFICIENT_STORAGE: Final = Reply(
     452, ("Requested action not taken: insufficient system storage",), EnhancedStatus(4, 3, 1)
 )
 """452 4.3.1: out of disk or queue space ("mail system full")."""
+
+DAMAGED_BODY: Final = EnhancedStatus(4, 6, 0)
+"""X.6.0 other media error, with no remote reply: a worker found the stored message itself
+damaged (a chunk missing or short).  The worker reports it and the core, seeing it, checks
+and quarantines the message (distinct from 4.3.0 so no other local fault makes it look)."""
 
 
 class Stage(enum.StrEnum):

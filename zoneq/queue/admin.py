@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from zoneq.errors import NotFound
-from zoneq.protocol.domains import normal_domain
+from zoneq.protocol.domains import bare_domain
 from zoneq.protocol.ids import id_time_ms
 from zoneq.queue.service import HoldCount, QueueService
 from zoneq.storage import keys
@@ -96,7 +96,7 @@ def decode_cursor(cursor: str, prefix: bytes) -> bytes:
 
 def _normal(domain: str | None) -> str | None:
     """A domain filter in the queue's normal form (``recipient_domain``), no root dot."""
-    return None if domain is None else normal_domain(domain).rstrip(".")
+    return None if domain is None else bare_domain(domain)
 
 
 class _SenderDomains:

@@ -38,7 +38,7 @@ from zoneq.config.model import Config, RoutingConfig
 from zoneq.config.routing import RoutingRule
 from zoneq.plugin.hooks import Drop, Hook, RouteArgs, Session
 from zoneq.plugin.host import PluginHost
-from zoneq.protocol.domains import normal_domain
+from zoneq.protocol.domains import bare_domain
 from zoneq.protocol.replies import Reply
 
 __all__ = ["DEFAULT", "HEADER", "Route", "Router"]
@@ -66,7 +66,7 @@ def _domain_of(address: str) -> str | None:
     _local, at, domain = address.rpartition("@")
     if not at or not domain:
         return None
-    return normal_domain(domain).rstrip(".")
+    return bare_domain(domain)
 
 
 @dataclass(frozen=True, slots=True)

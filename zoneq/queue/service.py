@@ -44,6 +44,7 @@ import enum
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final, NamedTuple
@@ -61,7 +62,7 @@ from zoneq.plugin.hooks import Hook, OutcomeArgs
 from zoneq.plugin.host import PluginHost
 from zoneq.protocol.dsn import Action
 from zoneq.protocol.ids import format_id, id_time_ms
-from zoneq.protocol.replies import Reply, reply_from_text
+from zoneq.protocol.replies import DAMAGED_BODY, Reply, reply_from_text
 from zoneq.protocol.reply_rules import ReplyAction, rule_report
 from zoneq.protocol.retry import RetrySchedule
 from zoneq.queue.bounces import FULL_RETURN_LIMIT, HEADER_LIMIT, Failure, any_wanted, compose
@@ -78,9 +79,8 @@ DEFAULT_WINDOW: Final = 2000  # recipients leased ahead per zone
 RESCAN_S: Final = 1.0
 DEFAULT_DOMAIN_CONNECTIONS: Final = 10
 EXPIRED_STATUS: Final = "4.4.7"  # RFC 3463: delivery time expired
-# RFC 3463 X.6.0, with no remote reply: what a worker reports when the stored message is
-# damaged (``delivery/transport/abort.py``, ``DAMAGED_BODY``): a chunk missing or short.
-DAMAGED_BODY_STATUS: Final = "4.6.0"
+# What a worker reports, with no remote reply, when the stored message is damaged.
+DAMAGED_BODY_STATUS: Final = str(DAMAGED_BODY)
 
 
 class Result(enum.Enum):
@@ -222,11 +222,9 @@ class QueueService:
         self._notifying: set[asyncio.Future[None]] = set()
         store.on_ready = self._readied
         self._paused: set[str] = store.paused_zones()  # persisted by pause(); see the end
-        # Zones an administrator's hold is walking (``holding``), by how many holds walk it.
-        self._holding: dict[str, int] = {}
-        # Paused or being held: lease() hands out nothing of these.  One set, so the lease
-        # path pays one lookup for both.
-        self._stopped: set[str] = set(self._paused)
+        # Zones an administrator's hold is walking (``holding``), by how many holds walk it:
+        # lease() hands out nothing of these, nor of the paused ones.
+        self._holding: Counter[str] = Counter()
 
     @classmethod
     def from_config(
@@ -297,7 +295,8 @@ class QueueService:
         deadline = loop.time() + wait_ms / 1000
         while True:
             state.wake.clear()
-            jobs = [] if zone in self._stopped else self._take(state, owner, max_jobs)
+            stopped = zone in self._paused or zone in self._holding
+            jobs = [] if stopped else self._take(state, owner, max_jobs)
             remaining = deadline - loop.time()
             # A worker told to close idle connections hears of it now, not after the wait.
             if jobs or remaining <= 0 or state.slots.has_closing(owner):
@@ -920,17 +919,14 @@ class QueueService:
         zone's queued jobs go back to the store first (``unqueue``), and nothing is leased
         until the walk is over; jobs already with a worker finish.
         """
-        self._holding[zone] = self._holding.get(zone, 0) + 1
-        self._stopped.add(zone)
+        self._holding[zone] += 1
         try:
             self.unqueue(zone)
             yield
         finally:
-            if self._holding[zone] > 1:
-                self._holding[zone] -= 1
-            else:
+            self._holding[zone] -= 1
+            if not self._holding[zone]:
                 del self._holding[zone]
-            self._stopped = self._paused | self._holding.keys()
             self._wake(zone)
 
     async def pause(self, zone: str) -> None:
@@ -938,13 +934,11 @@ class QueueService:
         pause outlives a restart.  Jobs already with a worker finish."""
         await self._store.set_paused(zone, True)
         self._paused.add(zone)
-        self._stopped.add(zone)
         self.unqueue(zone)
 
     async def resume(self, zone: str) -> None:
         await self._store.set_paused(zone, False)
         self._paused.discard(zone)
-        self._stopped = self._paused | self._holding.keys()
         self._wake(zone)
 
     def paused(self) -> frozenset[str]:

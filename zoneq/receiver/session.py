@@ -429,10 +429,7 @@ class SmtpSession:
         while len(self.buffer) >= step and self.fault is None:
             piece = bytes(self.buffer[:step])
             del self.buffer[:step]
-            if self.index == 0:
-                self._scan(piece)
-            else:
-                self._scan_more(piece)
+            self._scan_piece(piece)
             if self.fault is not None:
                 break
             try:
@@ -449,15 +446,16 @@ class SmtpSession:
         if self.fault is not None:
             self.buffer.clear()
 
-    def _scan(self, first: bytes) -> None:
-        self.scan = scan_headers(first[self.header_len :])
-        self._check_loop()
-
-    def _scan_more(self, piece: bytes) -> None:
-        """A header section longer than the first chunk: its Received fields count too."""
-        if self.scan.carry is not None:
+    def _scan_piece(self, piece: bytes) -> None:
+        """Read the header section in the first chunk; in a later one, count its Received
+        fields while the section goes on past the first chunk."""
+        if self.index == 0:
+            self.scan = scan_headers(piece[self.header_len :])
+        elif self.scan.carry is not None:
             self.scan.more(piece)
-            self._check_loop()
+        else:
+            return
+        self._check_loop()
 
     def _check_loop(self) -> None:
         scan = self.scan
@@ -472,10 +470,7 @@ class SmtpSession:
             return []
         tail: bytes | None = bytes(self.buffer) if self.buffer else None
         if tail is not None and self.fault is None:
-            if self.index == 0:
-                self._scan(tail)
-            else:
-                self._scan_more(tail)
+            self._scan_piece(tail)
         if self.fault is not None:
             fault = self.fault
             await self._end_transaction()

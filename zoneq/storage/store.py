@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,6 +50,7 @@ from zoneq.storage.base import (
     Lease,
     Outcome,
     QueuedRecipient,
+    log,
     ready_prefix,
     run_all,
 )
@@ -72,8 +72,6 @@ from zoneq.storage.records import (
 )
 from zoneq.storage.space import SpaceGuard
 from zoneq.storage.writer import GroupWriter
-
-log = logging.getLogger("zoneq.storage")
 
 
 class LeaseScan(list[Lease]):
@@ -572,12 +570,12 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         meta = self.message(msg_id)
         stored = 0
         for index in range(meta.chunks):
-            key = keys.message_chunk(msg_id, index)
-            value = self._writer.read(key)
-            if value is None:
+            try:
+                stored += len(self.chunk(msg_id, index))  # past the block cache
+            except NotFound:
+                key = keys.message_chunk(msg_id, index)
                 error = StorageCorruption(key, f"chunk {index} of {meta.chunks} is missing")
                 break
-            stored += len(value)
         else:
             if stored == meta.size:
                 return

@@ -15,9 +15,6 @@ from zoneq.protocol.replies import EnhancedStatus, Reply, Stage, Verdict
 NO_ANSWER: Final = EnhancedStatus(4, 4, 1)  # X.4.1 no answer from host
 BAD_CONNECTION: Final = EnhancedStatus(4, 4, 2)  # X.4.2 bad connection
 LOCAL_ERROR: Final = EnhancedStatus(4, 3, 0)  # X.3.0 other mail system status
-# X.6.0 other media error: the stored message itself is damaged (a chunk missing or short).
-# Distinct from LOCAL_ERROR so that the core checks, and quarantines, only such messages.
-DAMAGED_BODY: Final = EnhancedStatus(4, 6, 0)
 NO_TLS: Final = EnhancedStatus(4, 7, 4)  # X.7.4 security features not supported
 TLS_FAILED: Final = EnhancedStatus(4, 7, 5)  # X.7.5 cryptographic failure
 NO_AUTH: Final = EnhancedStatus(4, 7, 0)  # X.7.0 other security status (AUTH not possible)

@@ -19,19 +19,13 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterable, Iterable
 from typing import Final
 
-from zoneq.delivery.transport.abort import (
-    BAD_CONNECTION,
-    DAMAGED_BODY,
-    LOCAL_ERROR,
-    Abort,
-    lost,
-)
+from zoneq.delivery.transport.abort import BAD_CONNECTION, LOCAL_ERROR, Abort, lost
 from zoneq.delivery.transport.channel import Channel, ChannelClosed, ChannelTimeout
 from zoneq.delivery.transport.ledger import Ledger
 from zoneq.delivery.transport.options import BodySource, Timeouts
 from zoneq.errors import NotFound, ZoneqError
 from zoneq.protocol.encoder import DotStuffer
-from zoneq.protocol.replies import Reply, Stage, Verdict
+from zoneq.protocol.replies import DAMAGED_BODY, Reply, Stage, Verdict
 
 WRITE_SIZE: Final = 64 * 1024  # gather encoded pieces up to this much before a write
 
