@@ -14,6 +14,7 @@ import pytest
 from tests.queue.test_bounces import returned_part
 from tests.queue.test_service import BOUNCES, Clock, Z, dsn_of, outcome, service_for
 from tests.storage.conftest import MINUTE, T0, assert_consistent, async_test, queue_message
+from zoneq.protocol.events import EventKind
 from zoneq.queue.service import QueueService, Result
 from zoneq.storage.records import NewRecipient, State
 from zoneq.storage.store import QueueStore
@@ -147,6 +148,7 @@ async def test_a_delay_notice_survives_its_first_recipient_deleted_while_on_the_
     await store.drain()
     assert (len(accepted), len(refused)) == (1, 1)
     assert store.count(BOUNCES, State.READY) == 1  # the notice is queued
+    assert _listed(dsn_of(store)) == ["rfc822; b@slow.test"]  # not a: it is not retried
     (b,) = [q.recipient for q in store.recipients(msg)]
     assert (b.address, b.delay_notified) == ("b@slow.test", True)
     await assert_consistent(store)
@@ -175,4 +177,49 @@ async def test_a_delay_notice_survives_its_carrier_deleted_before_the_write(
     assert store.count(BOUNCES, State.READY) == 1
     (b,) = [q.recipient for q in store.recipients(msg)]
     assert b.delay_notified
+    await assert_consistent(store)
+
+
+def _listed(report: Any) -> list[str]:
+    """The recipients a DSN's per-recipient blocks list (RFC 3464 section 2.3)."""
+    status = report.get_payload()[1].get_payload()
+    return sorted(b["Final-Recipient"] for b in status[1:] if b["Final-Recipient"])
+
+
+_TRIO = ("a@dest.test", "b@dest.test", "c@dest.test")
+
+
+@pytest.mark.parametrize("window", ["on-the-wire", "before-the-write"])
+@async_test
+async def test_a_dsn_survives_its_first_recipient_deleted(store: QueueStore, window: str) -> None:
+    """Three recipients of one message fail in one report; an administrator deletes the
+    first of them while the job is out (``on-the-wire``: before the report; or in the
+    narrow window after the report is claimed, before its writes).  That one's bounce is
+    refused; the DSN rides with the next and is queued exactly once.  Listed: those whose
+    leases the store held when the DSN was composed (the report's claim)."""
+    service = service_for(store, Clock())
+    msg = await queue_message(store, [(a, Z) for a in _TRIO])
+    (job,) = await service.lease(Z, "w1")
+    first = job.recipients[0]
+    failed = outcome(job, Result.BOUNCED, reply="550 5.1.1 no such user", enhanced="5.1.1")
+    if window == "on-the-wire":
+        assert await store.drop(msg, T0, first.address) == 1
+        accepted, refused = await service.report("w1", failed)
+    else:
+        reported = asyncio.ensure_future(service.report("w1", failed))
+        dropped = asyncio.ensure_future(store.drop(msg, T0, first.address))
+        accepted, refused = await reported
+        assert await dropped == 1
+    await store.drain()
+    assert (len(accepted), refused) == (2, [first.token])
+    assert store.count(BOUNCES, State.READY) == 1  # the DSN, once
+    others = [f"rfc822; {a}" for a in _TRIO if a != first.address]
+    everyone = [f"rfc822; {a}" for a in _TRIO]
+    assert _listed(dsn_of(store)) == (others if window == "on-the-wire" else everyone)
+    mid = f"{msg:016x}"
+    ends = [(e.recipient, e.kind) for _, e in store.events() if e.message_id == mid]
+    assert sorted(end for end in ends if end[1] in (EventKind.BOUNCED, EventKind.DROPPED)) == [
+        (a, EventKind.DROPPED if a == first.address else EventKind.BOUNCED) for a in _TRIO
+    ]
+    assert store.message_count() == 1  # the bounced message is gone; the DSN is queued
     await assert_consistent(store)

@@ -142,10 +142,25 @@ class HoldCount:
 
 @dataclass(slots=True)
 class _SharedNotice:
-    """One delay notice for a report's deferrals of one message (``_defer_listed``)."""
+    """One notice for a report's failures of one message: a delay notice for its deferrals
+    (``_defer_listed``) or a DSN for its bounces (``_bounce_listed``).
+
+    It rides with the first write whose lease the store still holds when that write is
+    made.  One revoked meanwhile (an administrator deleted that recipient) is refused, and
+    the notice must not go down with it: the others' writes would go through without it,
+    and the sender would never be told."""
 
     notice: Notice
     carried: bool = False
+
+    def claim(self, store: QueueStore, lease: Lease) -> Notice | None:
+        """The notice, if nobody carries it yet and ``store`` holds ``lease``; then it is
+        this write's.  The caller makes the write with no ``await`` in between, so the
+        lease cannot be revoked between this look and the store's own check."""
+        if self.carried or not store.holds(lease):
+            return None
+        self.carried = True
+        return self.notice
 
 
 @dataclass(slots=True)
@@ -641,9 +656,10 @@ class QueueService:
     ) -> list[Awaitable[int | None]]:
         """Defer every recipient of one message in ``group``.  Those that owe the sender a
         delay notice get one between them, listing them all (RFC 3464 allows any number of
-        per-recipient blocks): it rides in the batch of the first, and each is marked as
-        notified, so none is told twice."""
-        delays = [delay for _, _, delay, _, _ in group if delay is not None]
+        per-recipient blocks) but those already deleted (``_listed``): it rides with the
+        first whose deferral is written (``_defer_listed``), and each is marked as notified,
+        so none is told twice."""
+        delays = self._listed((lease, delay) for _, lease, delay, _, _ in group)
         notice: Notice | None = None
         if delays:
             try:
@@ -666,27 +682,26 @@ class QueueService:
     async def _defer_listed(
         self, lease: Lease, now: int, next_at: int, outcome: Outcome, shared: _SharedNotice
     ) -> None:
-        """Defer one recipient listed in a shared delay notice.  The notice rides with the
-        first whose lease the store still holds when its deferral is written (no await
-        between the look and the write): one revoked meanwhile (an administrator deleted
-        that recipient) is refused, and the notice must not go down with it, or the others
-        would be flagged as told and nobody would be.  The others carry only the flag."""
-        notice: Notice | None = None
-        if shared.carried:
+        """Defer one recipient that owes a shared delay notice (``_SharedNotice``): the first
+        whose deferral is written carries it, the others only the flag that they were told
+        (were the flag written with a notice gone down, nobody would be)."""
+        told = shared.carried
+        notice = shared.claim(self._store, lease)
+        if told:
             lease = replace(lease, recipient=replace(lease.recipient, delay_notified=True))
-        elif self._store.holds(lease):
-            notice, shared.carried = shared.notice, True
         await self._store.defer(lease, now, next_at, outcome, delay_notice=notice)
 
     def _bounce(
         self, msg_id: int, group: list[tuple[int, Lease, Failure, Outcome, bool]], now: int
     ) -> list[Awaitable[int | None]]:
         """Bounce every recipient of one message in ``group``, with one DSN for all of them
-        (it rides in the batch of the first)."""
+        but those already deleted (``_listed``); it rides with the first whose bounce is
+        written (``_bounce_listed``)."""
         notice: Notice | None = None
+        listed = self._listed((lease, failure) for _, lease, failure, _, _ in group)
         try:
-            meta = self._store.message(msg_id)
-            notice = self._notice(meta, [failure for _, _, failure, _, _ in group], now)
+            if listed:  # (all deleted: every bounce is refused, and nobody is owed a DSN)
+                notice = self._notice(self._store.message(msg_id), listed, now)
         except NotFound:
             log.warning("message %x vanished before its bounce could be written", msg_id)
         except StorageCorruption:
@@ -704,12 +719,30 @@ class QueueService:
                 with contextlib.suppress(LeaseError):
                     self._store.release(lease)
             return []
-        work: list[Awaitable[int | None]] = []
-        for token, lease, _, outcome, expired in group:
-            bounce = self._store.bounce(lease, now, outcome, expired=expired, notice=notice)
-            work.append(_guarded(token, bounce))
-            notice = None
-        return work
+        shared = _SharedNotice(notice) if notice is not None else None
+        return [
+            _guarded(token, self._bounce_listed(lease, now, outcome, expired, shared))
+            for token, lease, _, outcome, expired in group
+        ]
+
+    async def _bounce_listed(
+        self, lease: Lease, now: int, outcome: Outcome, expired: bool, shared: _SharedNotice | None
+    ) -> None:
+        """Bounce one recipient of a report's group: the first whose bounce is written
+        carries the group's DSN (``_SharedNotice``), committed in the same batch."""
+        notice = shared.claim(self._store, lease) if shared is not None else None
+        await self._store.bounce(lease, now, outcome, expired=expired, notice=notice)
+
+    def _listed(self, owed: Iterable[tuple[Lease, Failure | None]]) -> list[Failure]:
+        """The failures a shared notice lists: those owed one whose leases the store still
+        holds as the report is applied.  A recipient an administrator deleted while it was
+        on the wire (``queue delete ID RCPT``) has its outcome refused and a DROPPED event
+        on record; telling the sender it failed, or is still being tried, would contradict
+        that, and a delete is silent, as Postfix's ``postsuper -d`` is.  (One deleted after
+        this look, before its own write, stays listed: its failure was real.)"""
+        return [
+            failure for lease, failure in owed if failure is not None and self._store.holds(lease)
+        ]
 
     def _notice(
         self, meta: MessageMeta, failures: list[Failure], now: int, *, full: bool = True
