@@ -9,6 +9,7 @@ body chunk), and the store is opened again, as ``zoneq serve`` would find it aft
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 
 from tests.queue.test_service import BOUNCES, Clock, Z, outcome, service_for
 from tests.reliability.test_corruption import corrupt_key
-from tests.storage.conftest import T0, async_test, queue_message
+from tests.storage.conftest import T0, assert_consistent, async_test, queue_message
 from zoneq.protocol.events import EventKind
 from zoneq.queue.service import Result
 from zoneq.storage import keys
@@ -248,3 +249,41 @@ async def test_a_quarantine_refuses_a_revoked_lease(store: QueueStore) -> None:
     assert [(q.recipient.address, q.state) for q in store.recipients(msg)] == [
         (({"a@one.test", "b@two.test"} - {address}).pop(), State.LEASED)
     ]
+
+
+@async_test
+async def test_a_damaged_message_reported_for_many_recipients_is_held_once(
+    store: QueueStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One job of four recipients of a torn message, all reported damaged in one report:
+    the message is held once (one scan of its recipients, one log line), not once per
+    recipient; every one of them ends held with its attempt on record, and so does the
+    recipient of another domain still waiting in the core's window."""
+    service = service_for(store, Clock())
+    job_rcpts = [f"r{n}@one.test" for n in range(4)]
+    msg = await queue_message(store, [(a, Z) for a in [*job_rcpts, "w@two.test"]], body=BODY)
+    store.database.write([(keys.message_chunk(msg, 1), None)], sync=True)  # torn
+    (job,) = await service.lease(Z, "w1", max_jobs=1)
+    assert sorted(r.address for r in job.recipients) == job_rcpts
+    holds: list[tuple[int, str]] = []
+    hold_counted = store.hold_counted
+
+    async def counted(msg_id: int, reason: str = "held by administrator") -> tuple[int, int]:
+        holds.append((msg_id, reason))
+        return await hold_counted(msg_id, reason)
+
+    monkeypatch.setattr(store, "hold_counted", counted)
+    caplog.set_level(logging.ERROR, logger="zoneq.queue")
+    accepted, refused = await service.report("w1", outcome(job, Result.DEFERRED, **DAMAGED))
+    await store.drain()
+    assert (sorted(accepted), refused) == (sorted(r.token for r in job.recipients), [])
+    assert [msg_id for msg_id, _ in holds] == [msg]
+    assert holds[0][1].startswith("quarantined: damaged body")
+    held_lines = [r for r in caplog.records if r.getMessage().endswith("; held")]
+    assert len(held_lines) == 1, [r.getMessage() for r in held_lines]
+    states = {q.recipient.address: q.state for q in store.recipients(msg)}
+    assert states == dict.fromkeys([*job_rcpts, "w@two.test"], State.HELD)
+    assert store.count(Z, State.HELD) == 5 and store.leased() == 0
+    deferred = sorted(r for kind, r in events_of(store, msg) if kind is EventKind.DEFERRED)
+    assert deferred == job_rcpts  # each attempt on record, once
+    await assert_consistent(store)

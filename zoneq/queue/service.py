@@ -501,6 +501,7 @@ class QueueService:
         work: list[Awaitable[int | None]] = []
         failures: dict[int, list[tuple[int, Lease, Failure, Outcome, bool]]] = {}
         deferrals: dict[int, list[tuple[int, Lease, Failure | None, Outcome, int]]] = {}
+        damaged: dict[int, list[tuple[int, Lease, Outcome]]] = {}  # msg_id -> to quarantine
         told: list[tuple[Lease, RecipientOutcome, _Running]] = []
         checked: dict[int, str | None] = {}  # msg_id -> why its body is damaged, or None
         for reported in outcomes:
@@ -526,8 +527,8 @@ class QueueService:
             if settled is not None:
                 work.append(_guarded(item.token, settled))
             elif item.result is Result.DEFERRED and self._body_damaged(lease, item, checked):
-                reason = f"quarantined: damaged body ({checked[lease.recipient.msg_id]})"
-                work.append(self._quarantine_message(item.token, lease, outcome, now, reason))
+                # Grouped by message: one hold per damaged message per report.
+                damaged.setdefault(lease.recipient.msg_id, []).append((item.token, lease, outcome))
             elif item.result is Result.DEFERRED:
                 next_at = self._next_attempt(lease, now)
                 if next_at is not None:
@@ -553,8 +554,14 @@ class QueueService:
             work.extend(self._bounce(msg_id, group, now))
         for msg_id, deferred in deferrals.items():
             work.extend(self._defer(msg_id, deferred, now))
-        done = await asyncio.gather(*work)
-        accepted = [token for token in done if token is not None]
+        held = [
+            self._quarantine_message(
+                msg_id, group, now, f"quarantined: damaged body ({checked[msg_id]})"
+            )
+            for msg_id, group in damaged.items()
+        ]
+        done = await asyncio.gather(asyncio.gather(*work), *held)
+        accepted = [token for tokens in done for token in tokens if token is not None]
         refused.extend(item.token for item in outcomes if item.token not in accepted)
         self._tell_plugins(told, accepted)
         return accepted, sorted(set(refused))
@@ -791,26 +798,33 @@ class QueueService:
         return checked[msg_id] is not None
 
     async def _quarantine_message(
-        self, token: int, lease: Lease, outcome: Outcome, now: int, reason: str
-    ) -> int | None:
-        """Hold the message whose body is damaged, this recipient with the rest, with the
-        damage as the reason: out of circulation, kept for an operator to inspect, and
-        shown as held (``zoneq queue show``), where a deferral would retry it until it
-        expired.  The token if this recipient was held (its attempt recorded).
+        self, msg_id: int, group: list[tuple[int, Lease, Outcome]], now: int, reason: str
+    ) -> list[int | None]:
+        """Hold the message whose body is damaged, the recipients of ``group`` (those of one
+        report) with the rest, with the damage as the reason: out of circulation, kept for
+        an operator to inspect, and shown as held (``zoneq queue show``), where a deferral
+        would retry it until it expired.  Once per message and report, however many of its
+        recipients the report has (each hold reads all its recipients and marks the leased
+        ones).  For each of ``group``, its token if it was held (its attempt recorded).
 
-        This lease is never given back first: ready, it could be handed out again before
-        the hold.  It stays leased through the message's hold (which marks it) and ends
-        held (``hold_leased``), even when the message's metadata is too damaged to hold the
-        rest.  A lease revoked meanwhile (the message deleted) is refused."""
-        if not self._store.holds(lease):
-            return None
-        msg_id = lease.recipient.msg_id
+        These leases are never given back first: ready, one could be handed out again
+        before the hold.  They stay leased through the message's hold (which marks them)
+        and each ends held (``hold_leased``), even when the message's metadata is too
+        damaged to hold the rest.  A lease revoked meanwhile (its recipient deleted) is
+        refused, and if all of them are, nothing is held on their word."""
+        if not any(self._store.holds(lease) for _, lease, _ in group):
+            return []
         log.error("message %s: %s; held", format_id(msg_id), reason)
         try:
             await self.hold(msg_id, reason)
         except (NotFound, StorageCorruption, StorageUnavailable) as exc:
             log.warning("message %s: its other recipients not held: %s", format_id(msg_id), exc)
-        return await _guarded(token, self._store.hold_leased(lease, reason, now, outcome))
+        return await asyncio.gather(
+            *(
+                _guarded(token, self._store.hold_leased(lease, reason, now, outcome))
+                for token, lease, outcome in group
+            )
+        )
 
     def _original_start(self, meta: MessageMeta) -> bytes:
         start = b""
