@@ -15,7 +15,7 @@ from tests.queue.test_bounces import returned_part
 from tests.queue.test_service import BOUNCES, Clock, Z, dsn_of, outcome, service_for
 from tests.storage.conftest import MINUTE, T0, assert_consistent, async_test, queue_message
 from zoneq.protocol.events import EventKind
-from zoneq.queue.service import QueueService, Result
+from zoneq.queue.service import QueueService, Result, delayed_status
 from zoneq.storage.records import NewRecipient, State
 from zoneq.storage.store import QueueStore
 
@@ -222,4 +222,41 @@ async def test_a_dsn_survives_its_first_recipient_deleted(store: QueueStore, win
         (a, EventKind.DROPPED if a == first.address else EventKind.BOUNCED) for a in _TRIO
     ]
     assert store.message_count() == 1  # the bounced message is gone; the DSN is queued
+    await assert_consistent(store)
+
+
+@pytest.mark.parametrize(
+    ("reported", "status"),
+    [
+        ("4.4.1", "4.4.1"),
+        ("5.7.1", "4.7.1"),  # a 554 greeting from every MX: deferred, not failed
+        ("2.0.0", "4.0.0"),  # a DATA answered 250: out of step, deferred
+        ("5.1.10", "4.1.10"),
+        ("", "4.0.0"),
+        ("not-a-code", "4.0.0"),
+    ],
+)
+def test_a_delay_notice_status_is_transient(reported: str, status: str) -> None:
+    # RFC 3463 section 3.1: class 5 is permanent; "Action: delayed" must not carry it.
+    assert delayed_status(reported) == status
+
+
+@async_test
+async def test_a_deferral_with_a_permanent_code_gets_a_transient_delay_status(
+    store: QueueStore,
+) -> None:
+    clock = Clock()
+    service = service_for(store, clock)
+    await queue_message(store, [NewRecipient("a@slow.test", Z, notify=("DELAY",))])
+    clock.now = T0 + 5 * 60 * MINUTE  # past the 4h delay warning
+    (job,) = await service.lease(Z, "w1")
+    reply = "554 5.7.1 client host blocked"
+    accepted, _ = await service.report(
+        "w1", outcome(job, Result.DEFERRED, reply=reply, enhanced="5.7.1")
+    )
+    assert len(accepted) == 1
+    status = dsn_of(store).get_payload()[1].get_payload()  # type: ignore[index,union-attr]
+    (block,) = [block for block in status[1:] if block["Final-Recipient"]]
+    assert (block["Action"], block["Status"]) == ("delayed", "4.7.1")
+    assert "5.7.1 client host blocked" in block["Diagnostic-Code"]  # the reply as given
     await assert_consistent(store)

@@ -62,7 +62,7 @@ from zoneq.plugin.hooks import Hook, OutcomeArgs
 from zoneq.plugin.host import PluginHost
 from zoneq.protocol.dsn import Action
 from zoneq.protocol.ids import format_id, id_time_ms
-from zoneq.protocol.replies import DAMAGED_BODY, Reply, reply_from_text
+from zoneq.protocol.replies import DAMAGED_BODY, EnhancedStatus, Reply, reply_from_text
 from zoneq.protocol.reply_rules import ReplyAction, rule_report
 from zoneq.protocol.retry import RetrySchedule
 from zoneq.queue.bounces import FULL_RETURN_LIMIT, HEADER_LIMIT, Failure, any_wanted, compose
@@ -651,7 +651,7 @@ class QueueService:
             return None
         return Failure(
             record,
-            status=item.enhanced or "4.0.0",
+            status=delayed_status(item.enhanced),
             diagnostic=item.reply or None,
             remote_mta=item.mx,
             action=Action.DELAYED,
@@ -1016,6 +1016,19 @@ def _log_duplicate(lease: Lease, item: RecipientOutcome) -> None:
         item.mx or "?",
         item.reply or "no reply after the final dot",
     )
+
+
+def delayed_status(enhanced: str | None) -> str:
+    """The Status of a delay notice's block for a deferral reported with ``enhanced``.
+
+    A recipient still being retried has a transient status: RFC 3463 section 3.1 makes
+    class 5 permanent, and a bounce processor reading "Action: delayed" with "Status: 5.7.1"
+    takes it for a hard bounce.  A deferral can carry class 5 (a 554 greeting from every
+    MX is deferred, as Postfix does) or class 2 (a DATA answered 250, out of step), so the
+    class becomes 4 and the subject and detail stay (Postfix turns 5.x.x into 4.x.x for a
+    deferral the same way); no code at all is 4.0.0."""
+    parsed = EnhancedStatus.parse(enhanced or "")
+    return "4.0.0" if parsed is None else str(replace(parsed, klass=4))
 
 
 def _reply_of(item: RecipientOutcome) -> Reply | None:
