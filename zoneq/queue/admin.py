@@ -14,9 +14,9 @@ record is acted on in the state it was read in.
 Holds go through the queue service, because recipients it has leased ahead for its job queue
 must be given back before they can be held (a held recipient must not go out).  A zone's hold
 stops the service handing out (or leasing) the zone for the whole walk, else a worker's lease
-between two pages would take recipients the walk then passes over as leased.  A message's
-hold also holds its recipients on the wire once their attempt ends undelivered
-(``QueueService.hold``).
+between two pages would take recipients the walk then passes over as leased.  A hold (of a
+message or a zone) also holds its recipients on the wire once their attempt ends undelivered
+(``QueueService.hold``, ``storage/holdmarks.py``); a release cancels that.
 """
 
 from __future__ import annotations
@@ -251,7 +251,13 @@ class QueueAdmin:
         return held
 
     async def release_zone(self, zone: str) -> int:
+        """Make every held recipient of a zone ready, and cancel the holds its recipients on
+        the wire would take when their attempt ends (``storage/holdmarks.py``), as a
+        message's release does.  The marks go first: an attempt that ended undelivered
+        during the walk would otherwise be held behind the walk's position, and stay held
+        after the release answered."""
         self.check_zone(zone)
+        await self.store.unmark_zone(zone)
         return await self._walk(zone, State.HELD, lambda _: True, self.store.ready_many)
 
     async def pause(self, zone: str) -> None:

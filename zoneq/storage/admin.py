@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 
 from zoneq.errors import NotFound, StorageCorruption
 from zoneq.protocol.domains import normal_domain
@@ -21,7 +20,7 @@ from zoneq.storage.base import (
     log,
 )
 from zoneq.storage.counters import MESSAGES, domain_key, zone_key
-from zoneq.storage.holdmarks import mark, unmark, unmark_message, write_hold
+from zoneq.storage.holdmarks import unmark_message
 from zoneq.storage.leveldb import Op
 from zoneq.storage.records import (
     MessageMeta,
@@ -132,9 +131,7 @@ class AdminMixin(StoreBase):
             _, zone, _, rcpt = keys.decode_record(key)
             if address is not None and not same_mailbox(rcpt, address):
                 continue
-            ops.extend(self._remove_key(key, state, record))
-            if self._hold_marks:  # a leased one's hold on return goes with it
-                ops.extend(unmark(self._hold_marks, key))
+            ops.extend(self._remove_key(key, state, record))  # a hold on return goes too
             event = Event(
                 EventKind.DROPPED,
                 now_ms,
@@ -213,32 +210,11 @@ class AdminMixin(StoreBase):
         """Hold a message: its ready and deferred recipients now, its leased ones when their
         attempt ends undelivered (marked: ``holdmarks.py``); (held now, marked).
 
-        Everything is decided and staged before the first ``await``, so no lease, outcome
-        or release can come between what this reads and what it marks.
+        Its recipients are read and held with no ``await`` in between (``_hold_or_mark``),
+        so no lease, outcome or release can come between what this reads and what it marks.
         """
         self._check()
-        ops: list[Op] = []
-        marked: list[bytes] = []
-        held = 0
-        for queued in self.recipients(msg_id):
-            record = queued.recipient
-            if queued.state is State.LEASED:
-                key = keys.record(keys.READY, record.zone, msg_id, record.address)
-                ops.append(mark(self._hold_marks, key, reason))
-                marked.append(key)
-                continue
-            if queued.state not in (State.READY, State.DEFERRED):
-                continue
-            ops.extend(self._remove_record(queued))
-            self._counters.move(record.zone, record.domain, None, State.HELD)
-            on_hold = replace(record, hold_reason=reason)
-            ops.append(
-                (keys.record(keys.HELD, record.zone, msg_id, record.address), on_hold.encode())
-            )
-            held += 1
-        if ops:
-            await write_hold(self._writer, self._hold_marks, ops, marked, reason)
-        return held, len(marked)
+        return await self._hold_or_mark(self.recipients(msg_id), reason)
 
     async def unhold(self, msg_id: int) -> int:
         """Release a held message: its recipients are ready at once, and those on the wire

@@ -24,6 +24,7 @@ from zoneq.protocol.events import Event, EventKind
 from zoneq.protocol.ids import IdGenerator, format_id, id_time_ms
 from zoneq.storage import keys
 from zoneq.storage.counters import MESSAGES, Counters
+from zoneq.storage.holdmarks import mark, unmark, write_hold
 from zoneq.storage.leases import LeaseTable
 from zoneq.storage.leveldb import Database, Op
 from zoneq.storage.records import (
@@ -404,6 +405,11 @@ class StoreBase:
         _, zone, msg_id, address = keys.decode_record(key)
         self._leases.pop(key, None)  # revoked: the worker's report will be refused
         ops: list[Op] = [(key, None)]
+        if state is State.READY and self._hold_marks:
+            # A leased one's hold on return goes with it, here where every removal passes
+            # (a delete, a purge, an orphan's removal ...): a mark left behind would hold a
+            # later record under the same key, or at the next start (``holdmarks.py``).
+            ops.extend(unmark(self._hold_marks, key))
         if state is State.DEFERRED and record is not None:
             # (A corrupt deferred record leaves its due entry; promote_due drops dangling ones.)
             ops.append((keys.due(zone, record.next_attempt_ms, msg_id, address), None))
@@ -450,6 +456,40 @@ class StoreBase:
         if ops:
             await self._writer.submit(ops, sync=False, effect=self._readied(oldest))
         return moved
+
+    async def _hold_or_mark(
+        self, chosen: Iterable[QueuedRecipient], reason: str
+    ) -> tuple[int, int]:
+        """Hold these recipients: ready and deferred ones now, leased ones when their
+        attempt ends undelivered (marked: ``holdmarks.py``); (held now, marked).  Held ones
+        are skipped.  A ready one counts as leased if its lease is out now, whatever state
+        the caller read it in.
+
+        Everything is decided and staged before the first ``await``, so no lease, outcome
+        or release can come between what the caller read and what this marks.
+        """
+        ops: list[Op] = []
+        marked: list[bytes] = []
+        held = 0
+        for queued in chosen:
+            record = queued.recipient
+            if queued.state not in (State.READY, State.LEASED, State.DEFERRED):
+                continue
+            if queued.state is not State.DEFERRED:
+                key = keys.record(keys.READY, record.zone, record.msg_id, record.address)
+                if key in self._leases:
+                    ops.append(mark(self._hold_marks, key, reason))
+                    marked.append(key)
+                    continue
+            ops.extend(self._remove_record(queued))
+            self._counters.move(record.zone, record.domain, None, State.HELD)
+            on_hold = replace(record, hold_reason=reason)
+            held_key = keys.record(keys.HELD, record.zone, record.msg_id, record.address)
+            ops.append((held_key, on_hold.encode()))
+            held += 1
+        if ops:
+            await write_hold(self._writer, self._hold_marks, ops, marked, reason)
+        return held, len(marked)
 
     def _read_head(self, msg_id: int) -> tuple[int, int]:
         """``(created_ms, recipients still queued)``; raises, changing nothing, if it is bad.

@@ -14,19 +14,19 @@ Paused zones are store-wide values in the ``meta`` family (``meta "paused-zone" 
 so a pause survives a restart; the queue service consults them before handing out work.
 
 Holds that wait for an attempt (``holdmarks.py``): a hold of a zone marks the leased
-recipients it passes over, as a hold of a message does, so they are held when they return.
+recipients it passes over, as a hold of a message does, so they are held when they return;
+a release of the zone drops them (``unmark_zone``), as a release of a message drops its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 from zoneq.errors import NotFound, StorageCorruption
 from zoneq.protocol.events import EventKind
 from zoneq.storage import keys
-from zoneq.storage.base import STATE_FAMILY, Outcome, QueuedRecipient, StoreBase
-from zoneq.storage.holdmarks import mark, unmark, write_hold
+from zoneq.storage.base import Outcome, QueuedRecipient, StoreBase
+from zoneq.storage.holdmarks import unmark_zone
 from zoneq.storage.leveldb import Op
 from zoneq.storage.records import MessageMeta, State
 
@@ -59,10 +59,7 @@ class BulkMixin(StoreBase):
         gone: dict[int, int] = {}
         for queued in chosen:
             record = queued.recipient
-            ops.extend(self._remove_record(queued))
-            if self._hold_marks and queued.state in (State.READY, State.LEASED):
-                ready_key = keys.record(keys.READY, record.zone, record.msg_id, record.address)
-                ops.extend(unmark(self._hold_marks, ready_key))
+            ops.extend(self._remove_record(queued))  # a hold on return goes too
             ops.append(self._outcome_event(EventKind.DROPPED, record, now_ms, sizes[record.msg_id]))
             gone[record.msg_id] = gone.get(record.msg_id, 0) + 1
         removed = {key for key, value in ops if value is None}
@@ -101,28 +98,21 @@ class BulkMixin(StoreBase):
         """Put these recipients on hold; how many were held.  Leased ones are marked, held
         when their attempt ends undelivered (``holdmarks.py``), as :meth:`hold` does."""
         self._check()
-        ops: list[Op] = []
-        marked: list[bytes] = []
-        held = 0
-        for queued in chosen:
-            record = queued.recipient
-            if queued.state not in (State.READY, State.DEFERRED):
-                continue
-            family = STATE_FAMILY[queued.state]
-            key = keys.record(family, record.zone, record.msg_id, record.address)
-            if key in self._leases:
-                ops.append(mark(self._hold_marks, key, reason))
-                marked.append(key)
-                continue
-            ops.extend(self._remove_record(queued))
-            self._counters.move(record.zone, record.domain, None, State.HELD)
-            on_hold = replace(record, hold_reason=reason)
-            held_key = keys.record(keys.HELD, record.zone, record.msg_id, record.address)
-            ops.append((held_key, on_hold.encode()))
-            held += 1
-        if ops:
-            await write_hold(self._writer, self._hold_marks, ops, marked, reason)
+        held, _ = await self._hold_or_mark(chosen, reason)
         return held
+
+    async def unmark_zone(self, zone: str) -> int:
+        """Cancel the holds on return in a zone (its release): its recipients on the wire
+        are no longer held when their attempt ends undelivered; how many were marked.
+
+        The marks are forgotten in memory before the first ``await``, so an outcome written
+        from then on is not held; the deletes on disk land before this returns (else a
+        restart would hold them, ``recover``)."""
+        self._check()
+        unmarked = unmark_zone(self._hold_marks, zone) if self._hold_marks else []
+        if unmarked:
+            await self._writer.submit(unmarked, sync=False)
+        return len(unmarked)
 
     async def ready_many(self, chosen: Sequence[QueuedRecipient]) -> int:
         """Make these held or deferred recipients ready at once (delays reset)."""

@@ -12,10 +12,12 @@ given back while the hold's write is on its way): ``defer`` and ``release`` (a j
 back, or a gone worker's) of a marked lease hold the recipient instead (a deferral keeps
 its DEFERRED event and attempt count); ``complete`` and ``bounce`` finish as usual (a hold
 cannot call back a message the remote has; a bounce's DSN is owed whatever the hold).
-Every one of them removes the mark; so do a release (``unhold``) and a delete of the
-message.  A lease does not survive a restart, so at start-up (``recover``) every marked
-recipient still ready is held and every mark removed (Postfix's ``postsuper -h`` holds a
-message whatever queue it is in).
+Every one of them removes the mark; so does any other removal of the record (it passes
+through ``StoreBase._remove_key``: a delete, a purge, an orphan's removal, a failed commit
+undone), so no mark outlives its recipient; and so does a release, of the message
+(``unhold``) or of its zone (``QueueAdmin.release_zone``).  A lease does not survive a
+restart, so at start-up (``recover``) every marked recipient still ready is held and every
+mark removed (Postfix's ``postsuper -h`` holds a message whatever queue it is in).
 
 Messages without a hold pay one truthiness test of an empty dict per outcome.
 """
@@ -48,8 +50,19 @@ def unmark(marks: dict[bytes, str], ready_key: bytes) -> list[Op]:
 
 
 def unmark_message(marks: dict[bytes, str], msg_id: int) -> list[Op]:
-    """Forget every mark of a message (released or deleted); the deletes on disk."""
-    mine = [key for key in marks if keys.decode_record(key)[2] == msg_id]
+    """Forget every mark of a message (released); the deletes on disk."""
+    return _unmark_all(marks, [key for key in marks if keys.decode_record(key)[2] == msg_id])
+
+
+def unmark_zone(marks: dict[bytes, str], zone: str) -> list[Op]:
+    """Forget every mark in a zone (released: whichever hold made them, a zone's or one of
+    its messages', every held recipient there is ready again); the deletes on disk.  A
+    ready key begins with its zone's prefix (``keys.text`` is prefix-safe)."""
+    prefix = keys.zone_prefix(keys.READY, zone)
+    return _unmark_all(marks, [key for key in marks if key.startswith(prefix)])
+
+
+def _unmark_all(marks: dict[bytes, str], mine: list[bytes]) -> list[Op]:
     return [op for key in mine for op in unmark(marks, key)]
 
 
