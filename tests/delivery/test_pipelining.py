@@ -18,7 +18,7 @@ from tests.storage.conftest import async_test
 from tests.support.faultserver import Faults, FaultServer, Send, Session, _RcptCounter
 from zoneq.delivery.transport import ConnectionCache, Timeouts, TlsPolicy, deliver
 from zoneq.protocol.encoder import dot_stuff
-from zoneq.protocol.replies import Stage, Verdict
+from zoneq.protocol.replies import EnhancedStatus, Stage, Verdict
 
 SENDER = "sender@example.org"
 BODY = b"Subject: pipelining\r\n\r\n.a line with a dot\r\nbye\r\n"
@@ -123,6 +123,16 @@ def verdicts(result: Any) -> list[Verdict]:
     return [r.verdict for r in result.recipients]
 
 
+async def send_clean_message(server: FaultServer, cache: ConnectionCache) -> None:
+    """After the faulty exchange: one more message, the faults lifted, on whatever
+    connection the cache kept; it is delivered, and the cache is closed."""
+    server.faults.rcpt_replies = {}
+    server.faults.data_reply = Faults().data_reply
+    again = await send_to(server, ["c@x.example"], cache=cache)
+    await cache.close()
+    assert verdicts(again) == [Verdict.DONE]
+
+
 RCPTS = ["a@x.example", "b@x.example", "c@x.example"]
 GROUP = (
     b"MAIL FROM:<sender@example.org>\r\n"
@@ -211,10 +221,7 @@ async def test_all_refused_is_reset_and_the_connection_kept_without_a_body() -> 
         assert server.verbs() == [b"EHLO", b"MAIL", b"RCPT", b"RCPT", b"DATA", b"RSET"]
         assert not server.payloads
         assert len(cache) == 1  # RSET answered 250: clean, kept
-        server.faults.rcpt_replies = {}
-        again = await send_to(server, ["c@x.example"], cache=cache)
-        await cache.close()
-    assert verdicts(again) == [Verdict.DONE]
+        await send_clean_message(server, cache)
     assert len(server.sessions) == 1 and len(server.payloads) == 1
 
 
@@ -238,6 +245,70 @@ async def test_data_refused_after_accepted_rcpts_settles_those_by_the_data_reply
         # kept (RFC 5321 section 4.1.1.5).
         assert server.verbs()[-1] == b"RSET"
         await cache.close()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("pipelining", [True, False])
+@pytest.mark.parametrize(
+    "data_reply",
+    [b"250 2.0.0 Ok", b"220 2.0.0 Ready", b"334 VXNlcm5hbWU6", b"150 Opening data connection"],
+)
+@async_test
+async def test_a_reply_to_data_out_of_step_defers_everyone_and_ends_the_session(
+    pipelining: bool, data_reply: bytes
+) -> None:
+    """RFC 5321 sections 4.1.1.4 and 4.3.2: DATA's one success is 354.  Any other reply
+    that is no refusal (here a 2yz, a 3yz other than 354, a 1yz) means no body was sent:
+    the accepted recipient is deferred by it, never delivered, and so is the one waiting
+    for a second transaction after a 452; the connection carries nothing more and is not
+    kept, so the next message starts a new session."""
+    faults = Faults(
+        pipelining=pipelining,
+        rcpt_replies={2: b"452 4.5.3 Too many recipients"},
+        data_reply=data_reply,
+    )
+    cache = ConnectionCache()
+    async with RecordingServer(faults) as server:
+        result = await send_to(server, ["a@x.example", "b@x.example"], cache=cache)
+        assert verdicts(result) == [Verdict.DEFER] * 2
+        # The server's own reply for the record, and 4.5.0 (RFC 3463 section 3.6): its
+        # 2.0.0 would read as success in a delay notice.
+        assert {(r.stage, r.reply.code, r.status) for r in result.recipients} == {
+            (Stage.DATA, int(data_reply[:3]), EnhancedStatus(4, 5, 0))
+        }
+        assert not server.payloads
+        # Not a line after DATA on that connection (no RSET, no QUIT, no second MAIL).
+        assert server.verbs() == [b"EHLO", b"MAIL", b"RCPT", b"RCPT", b"DATA"]
+        assert len(cache) == 0
+        await send_clean_message(server, cache)
+    assert len(server.sessions) == 2 and len(server.payloads) == 1
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("pipelining", [True, False])
+@async_test
+async def test_552_to_rcpt_after_an_acceptance_is_the_recipient_limit_as_452(
+    pipelining: bool,
+) -> None:
+    """RFC 5321 section 4.5.3.1.10: a 552 to RCPT SHOULD be treated as 452 (too many
+    recipients): b goes in a second transaction on the same connection, not bounced."""
+    faults = Faults(pipelining=pipelining, rcpt_replies={2: b"552 5.5.3 Too many recipients"})
+    async with RecordingServer(faults) as server:
+        result = await send_to(server, ["a@x.example", "b@x.example"])
+    assert verdicts(result) == [Verdict.DONE] * 2
+    assert [r.transaction for r in result.recipients] == [0, 1]
+    assert len(server.sessions) == 1 and len(server.payloads) == 2
+
+
+@pytest.mark.integration
+@async_test
+async def test_552_to_the_only_rcpt_defers_it_as_452_would() -> None:
+    faults = Faults(rcpt_replies={1: b"552 5.5.3 Too many recipients"})
+    async with RecordingServer(faults) as server:
+        result = await send_to(server, ["a@x.example"])
+    (only,) = result.recipients
+    assert (only.verdict, only.stage, only.reply.code) == (Verdict.DEFER, Stage.RCPT, 552)
+    assert not server.payloads
 
 
 # --- the connection lost ---------------------------------------------------------------------

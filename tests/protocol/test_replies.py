@@ -407,8 +407,10 @@ EXPECTED: dict[Stage, tuple[Verdict, ...]] = {
     Stage.STARTTLS: (N, D, D, N, N, N, N, N, N, N, N, N, N),
     Stage.AUTH: (N, D, D, D, N, N, N, N, N, N, N, N, N),
     Stage.MAIL: (F, D, D, F, F, F, N, F, F, F, B, B, B),
-    Stage.RCPT: (F, D, D, F, F, F, N, F, F, F, B, B, B),
-    Stage.DATA: (F, D, D, F, D, F, N, F, F, F, B, B, B),
+    # RFC 5321 section 4.5.3.1.10: 552 to RCPT is "too many recipients", taken as 452.
+    Stage.RCPT: (F, D, D, F, F, F, N, F, F, F, B, F, B),
+    # RFC 5321 sections 4.1.1.4 and 4.3.2: DATA's only success is 354; a 2yz is out of step.
+    Stage.DATA: (F, F, F, F, D, F, N, F, F, F, B, B, B),
     Stage.END_OF_DATA: (F, D, D, F, F, F, N, F, F, F, B, B, B),
     Stage.RSET: (N, D, D, N, N, N, N, N, N, N, N, N, N),
     Stage.QUIT: (D, D, D, D, D, D, D, D, D, D, D, D, D),
@@ -443,6 +445,10 @@ def test_classify_table(stage: Stage, code: int, verdict: Verdict) -> None:
         # Typical recipient and content outcomes.
         (Reply(550, ("User unknown",), E(5, 1, 1)), Stage.RCPT, B),
         (Reply(452, ("Too many recipients",), E(4, 5, 3)), Stage.RCPT, F),
+        # 552 to RCPT is the older form of the same (RFC 5321 section 4.5.3.1.10).
+        (Reply(552, ("Too many recipients",), E(5, 5, 3)), Stage.RCPT, F),
+        # A 250 to DATA: no body was sent, so nothing was delivered (RFC 5321 4.3.2).
+        (Reply(250, ("Ok",), E(2, 0, 0)), Stage.DATA, F),
         (Reply(552, ("Message too big",), E(5, 3, 4)), Stage.END_OF_DATA, B),
         (Reply(451, ("Greylisted",), E(4, 7, 1)), Stage.RCPT, F),
         (Reply(250, ("Queued as ABC",), E(2, 0, 0)), Stage.END_OF_DATA, D),
@@ -463,8 +469,14 @@ def test_classify_examples(reply: Reply, stage: Stage, verdict: Verdict) -> None
 @given(replies(), st.sampled_from(Stage))
 def test_classify_invariants(reply: Reply, stage: Stage) -> None:
     verdict = classify(reply, stage)
-    if reply.is_positive:
+    if reply.is_positive and stage is not Stage.DATA:
         assert verdict is Verdict.DONE
+    if stage is Stage.DATA:
+        # RFC 5321 section 4.3.2: 354 is DATA's only success; nothing else delivers.
+        assert (verdict is Verdict.DONE) is (reply.code == 354)
+    if stage is Stage.RCPT and reply.code in (452, 552):
+        # RFC 5321 section 4.5.3.1.10: too many recipients, temporary either way.
+        assert verdict is Verdict.DEFER
     if verdict is Verdict.BOUNCE:
         # Only a 5yz bounces, and never one about the session rather than the recipient.
         assert reply.is_permanent

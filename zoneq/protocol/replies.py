@@ -338,6 +338,16 @@ _SESSION_STAGES: Final = frozenset(
 # section 4 for 334).  220 at GREETING and STARTTLS is already a 2yz.
 _EXPECTED_INTERMEDIATE: Final[dict[Stage, int]] = {Stage.DATA: 354, Stage.AUTH: 334}
 
+# Stages whose only success is their intermediate reply.  RFC 5321 sections 4.1.1.4 and
+# 4.3.2: DATA's one success is 354; a 2yz there means the server took DATA for something
+# else (or a pipelined reply went astray), and no message went with it.
+_ONLY_INTERMEDIATE: Final = frozenset({Stage.DATA})
+
+# Codes a stage treats as another one.  RFC 5321 section 4.5.3.1.10: a 552 to RCPT ("too
+# many recipients", from servers older than that section) SHOULD be treated as the
+# temporary 452.
+_AS_IF: Final[dict[tuple[Stage, int], int]] = {(Stage.RCPT, 552): 452}
+
 
 def classify(reply: Reply, stage: Stage) -> Verdict:
     """Decide what a reply at ``stage`` means for the recipient(s) concerned.
@@ -347,7 +357,10 @@ def classify(reply: Reply, stage: Stage) -> Verdict:
     * QUIT: always DONE.  The recipients' fate was settled by the reply to the end of
       data (RFC 5321 section 4.1.1.4: a 250 there means the server has taken
       responsibility); how the server answers QUIT changes nothing.
-    * 2yz, and 354 at DATA, 334 at AUTH: DONE.
+    * 2yz (except at DATA), and 354 at DATA, 334 at AUTH: DONE.  A 2yz to DATA is DEFER:
+      the only success there is 354 (RFC 5321 sections 4.1.1.4 and 4.3.2), so the body was
+      never sent and the dialogue is out of step.
+    * 552 at RCPT is judged as 452 (RFC 5321 section 4.5.3.1.10): DEFER.
     * 421 at any stage: NEXT_HOST.  RFC 5321 section 3.8: the server is closing the
       channel; this is about the server, not the recipient.
     * Session stages (CONNECT, GREETING, EHLO, STARTTLS, AUTH, RSET): any other code is
@@ -359,12 +372,13 @@ def classify(reply: Reply, stage: Stage) -> Verdict:
       about the recipient, so not BOUNCE.
     * 4yz: DEFER.  5yz: BOUNCE.
     """
-    klass = reply.code // 100
-    if stage is Stage.QUIT:
+    code = _AS_IF.get((stage, reply.code), reply.code)
+    klass = code // 100
+    if stage is Stage.QUIT or _EXPECTED_INTERMEDIATE.get(stage) == code:
         return Verdict.DONE
-    if klass == 2 or _EXPECTED_INTERMEDIATE.get(stage) == reply.code:
-        return Verdict.DONE
-    if reply.code == 421 or stage in _SESSION_STAGES:
+    if klass == 2:
+        return Verdict.DEFER if stage in _ONLY_INTERMEDIATE else Verdict.DONE
+    if code == 421 or stage in _SESSION_STAGES:
         return Verdict.NEXT_HOST
     if klass == 4:
         return Verdict.DEFER

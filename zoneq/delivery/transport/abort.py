@@ -13,6 +13,7 @@ from zoneq.protocol.replies import EnhancedStatus, Reply, Stage, Verdict
 
 # Status codes for zoneq's own decisions (RFC 3463).
 NO_ANSWER: Final = EnhancedStatus(4, 4, 1)  # X.4.1 no answer from host
+OUT_OF_STEP: Final = EnhancedStatus(4, 5, 0)  # X.5.0 other protocol status (a stray reply)
 BAD_CONNECTION: Final = EnhancedStatus(4, 4, 2)  # X.4.2 bad connection
 LOCAL_ERROR: Final = EnhancedStatus(4, 3, 0)  # X.3.0 other mail system status
 NO_TLS: Final = EnhancedStatus(4, 7, 4)  # X.7.4 security features not supported

@@ -27,8 +27,9 @@ a server that needs two minutes to scan a message would otherwise be timed out a
 the message, and the retry would deliver a second copy.
 
 A 452 to a RCPT after at least one recipient was accepted means "too many recipients" (RFC 5321
-section 4.5.3.1.10): the transaction goes on with those accepted, and the rest are sent in a
-new transaction on the same connection, reading the body again from ``body()``.
+section 4.5.3.1.10, which has a 552 there treated alike): the transaction goes on with those
+accepted, and the rest are sent in a new transaction on the same connection, reading the body
+again from ``body()``.
 
 Connection reuse: with a :class:`ConnectionCache`, a session that ended cleanly (its last
 transaction answered, nothing open) is kept instead of QUIT, and the next message to the same

@@ -11,15 +11,22 @@ the same commands go one at a time.  Either way each reply settles what it answe
 * MAIL refused: every recipient is settled by that reply.  Pipelined, the RCPT and DATA
   replies still owed are read and ignored (they are 503s from a sound server).
 * Each RCPT: 2yz accepts the recipient into this transaction; 452 after one was accepted is
-  the server's recipient limit (RFC 5321 section 4.5.3.1.10): that recipient goes into a new
-  transaction at once; anything else settles the recipient by its reply.  Pipelined, a 250
-  after a 452 still counts: the server took that recipient, and sending it again would be a
-  duplicate.  One by one, after the first such 452 the rest are not sent but go to the next
-  transaction straight away, as a server at its limit would refuse them anyway.
+  the server's recipient limit (RFC 5321 section 4.5.3.1.10), and so is 552 (the same
+  section: a client SHOULD treat it as 452): that recipient goes into a new transaction at
+  once; anything else settles the recipient by its reply (452 or 552 with none accepted:
+  DEFER).  Pipelined, a 250 after a 452 still counts: the server took that recipient, and
+  sending it again would be a duplicate.  One by one, after the first such 452 the rest are
+  not sent but go to the next transaction straight away, as a server at its limit would
+  refuse them anyway.
 * No recipient accepted: no message is sent (RFC 5321 section 3.3).  A server that answers
   DATA with 354 anyway (RFC 2920 section 3.1 says it must refuse) gets the bare terminator, so
   that nothing is delivered and the dialogue stays in step, as Postfix does.
 * DATA refused after recipients were accepted: those are settled by the DATA reply.
+* Any other reply to DATA (a 2yz, a 1yz, a 3yz but 354): the server and we are out of step
+  (RFC 5321 sections 4.1.1.4 and 4.3.2: 354 is DATA's only success), and no message went.
+  Every recipient still unsettled is deferred with that reply and 4.5.0 (a 2.0.0 would
+  read as success in a delay notice), never taken as delivered, and the session ends
+  without reuse: what the server makes of the next line is anybody's guess.
 * 354: the body and the final dot (``data.py``), whose reply settles the accepted recipients.
 
 A 421 to any command means the server is closing (RFC 5321 section 3.8): the recipients not
@@ -33,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zoneq.delivery.transport.abort import Abort
+from zoneq.delivery.transport.abort import OUT_OF_STEP, Abort
 from zoneq.delivery.transport.cache import Connection
 from zoneq.delivery.transport.commands import DATA, END_OF_DATA_ALONE, RSET, mail_line, rcpt_line
 from zoneq.delivery.transport.data import end_of_data, send_body
@@ -55,9 +62,27 @@ class Envelope:
     max_line_length: int
 
 
+# RCPT replies that mean "too many recipients" once one was accepted (RFC 5321 section
+# 4.5.3.1.10: 452, and 552 from servers that still send it, to be treated as 452).
+_RECIPIENT_LIMIT = frozenset({452, 552})
+
+
 def _closing(stage: Stage, reply: Reply) -> None:
     if reply.code == 421:  # RFC 5321 section 3.8: the server is closing the connection
         raise Abort(stage, Verdict.NEXT_HOST, reply=reply)
+
+
+def _out_of_step(reply: Reply) -> None:
+    """End the session after a reply to DATA that is neither 354 nor a refusal (4yz, 5yz).
+
+    The server answered something else than what we sent (RFC 5321 section 4.3.2 lists
+    only 354, 4yz and 5yz), so the connection must not carry another command, let alone
+    another message.  The Abort defers every recipient not yet settled: the accepted ones
+    (no body went) and those waiting for a later transaction alike.
+    """
+    if reply.code // 100 not in (4, 5):
+        detail = f"reply to DATA out of step: {reply}"
+        raise Abort(Stage.DATA, Verdict.DEFER, reply=reply, status=OUT_OF_STEP, detail=detail)
 
 
 def _commands(link: Connection, envelope: Envelope, todo: list[int]) -> list[Command]:
@@ -117,7 +142,7 @@ async def transaction(
         reply = await group.reply()
         if reply.is_positive:
             accepted.append(index)
-        elif reply.code == 452 and accepted:
+        elif reply.code in _RECIPIENT_LIMIT and accepted:
             later.append(index)  # RFC 5321 section 4.5.3.1.10: the recipient limit
         else:
             ledger.settle_by_reply([index], Stage.RCPT, reply)
@@ -131,6 +156,7 @@ async def transaction(
 
     reply = await group.reply()
     if reply.code != 354:
+        _out_of_step(reply)
         ledger.settle_by_reply(accepted, Stage.DATA, reply)
         _closing(Stage.DATA, reply)
         return later
