@@ -1,11 +1,12 @@
 """A small SMTP server of our own for the transport tests: records bytes, injects faults.
 
 It runs in the test's event loop (``async with FaultServer(Faults(...)) as server``) on
-127.0.0.1 and an ephemeral port.  Everything a client sends is kept in ``server.sessions``
-(one ``Session`` per connection: the raw bytes as received, decrypted after STARTTLS, and
-the command lines), and each DATA payload, dot-stuffed and terminator included, in
-``server.payloads``.  ``Faults`` chooses what is advertised and how each command is answered.
-Replies are given without CRLF; the server adds it.
+127.0.0.1 and an ephemeral port, or on another loopback address and a given port (MX hosts
+share one port: an MX record names no port).  Everything a client sends is kept in
+``server.sessions`` (one ``Session`` per connection: the raw bytes as received, decrypted
+after STARTTLS, and the command lines), and each DATA payload, dot-stuffed and terminator
+included, in ``server.payloads``.  ``Faults`` chooses what is advertised and how each
+command is answered.  Replies are given without CRLF; the server adds it.
 """
 
 from __future__ import annotations
@@ -90,11 +91,20 @@ class PayloadStats:
 
 
 class FaultServer:
-    def __init__(self, faults: Faults | None = None, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        faults: Faults | None = None,
+        tls: ssl.SSLContext | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        if not host.startswith("127."):
+            raise ValueError(f"a test server listens on 127.0.0.0/8 only, not {host}")
         self.faults = faults or Faults()
         self.tls = tls
-        self.host = "127.0.0.1"
-        self.port = 0
+        self.host = host
+        self.port = port
         self.sessions: list[Session] = []
         self.payloads: list[bytes] = []
         self.stats = PayloadStats()
@@ -102,7 +112,7 @@ class FaultServer:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> FaultServer:
-        self._server = await asyncio.start_server(self._handle, self.host, 0, limit=1 << 20)
+        self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=1 << 20)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 

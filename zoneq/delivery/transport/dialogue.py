@@ -13,8 +13,11 @@ only turn mail away from servers whose certificates are self-signed or name anot
 plaintext is the alternative anyway).  If STARTTLS is refused or the handshake fails, the
 session is started again on a new connection in plaintext, and ``tls_fallback`` says why.
 REQUIRED verifies the certificate (unless told otherwise) and never sends MAIL in plaintext: no
-STARTTLS, a refusal or a failed handshake makes every recipient DEFER with 4.7.4 (security
-feature not supported) or 4.7.5 (cryptographic failure), RFC 3463 section 3.8.
+STARTTLS, a refusal or a failed handshake ends the session with 4.7.4 (security feature not
+supported) or 4.7.5 (cryptographic failure), RFC 3463 section 3.8, as NEXT_HOST: the fault is
+this host's, and RFC 5321 section 5.1 has the client try each MX host in order; another may
+offer TLS.  When none does, the walk (``attempt.py``) defers the recipients with the last
+host's 4.7.x reason.
 
 Smarthosts (issue 5) add two things.  ``implicit_tls``: TLS from the first byte (port 465,
 RFC 8314 section 3.3), done by aiosmtplib's ``use_tls``; no STARTTLS then.  ``auth``: AUTH
@@ -95,7 +98,7 @@ async def open_session(dest: Destination, seen: Seen) -> Connection:
                 elif required:
                     reply, status, detail = failure
                     raise Abort(
-                        Stage.STARTTLS, Verdict.DEFER, reply=reply, status=status, detail=detail
+                        Stage.STARTTLS, Verdict.NEXT_HOST, reply=reply, status=status, detail=detail
                     )
                 else:
                     # RFC 3207 section 4.1 leaves it to the client whether to go on without
@@ -108,7 +111,7 @@ async def open_session(dest: Destination, seen: Seen) -> Connection:
             elif required:
                 raise Abort(
                     Stage.STARTTLS,
-                    Verdict.DEFER,
+                    Verdict.NEXT_HOST,
                     status=NO_TLS,
                     detail="TLS is required, but STARTTLS was not offered by the host",
                 )
@@ -146,7 +149,11 @@ async def _connect(dest: Destination, seen: Seen) -> aiosmtplib.SMTP:
     try:
         await smtp.connect()
     except aiosmtplib.SMTPConnectResponseError as exc:
-        # RFC 5321 section 3.1: e.g. a 554 greeting; the host refuses the session.
+        # RFC 5321 section 3.1: e.g. a 554 greeting, or 421 for too many connections; the
+        # host refuses the session.  It answered, so it is alive (``Seen``): a host busy or
+        # refusing us is no reason for other domains' mail to skip it.  aiosmtplib has
+        # closed the transport by now, so the address dialled stands for the peer.
+        seen.peer = dest.host
         reply = _to_reply(exc.code, exc.message, Stage.GREETING)
         raise Abort(Stage.GREETING, classify(reply, Stage.GREETING), reply=reply) from None
     except (aiosmtplib.SMTPException, ssl.SSLError, OSError) as exc:
