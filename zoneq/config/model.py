@@ -250,7 +250,8 @@ class DeliveryConfig(_Section):
     """Let MX hosts resolve to loopback addresses (tests); otherwise that is a mail loop."""
 
     tls: Literal["opportunistic", "required", "none"] = "opportunistic"
-    """STARTTLS policy: use when offered, insist (defer without it), or never."""
+    """STARTTLS policy: use when offered, insist (an MX without it is passed over for the
+    next; deferred if none has it), or never."""
 
     tls_policy: dict[str, Literal["opportunistic", "required", "none"]] = Field(
         default_factory=dict
