@@ -28,6 +28,7 @@ from zoneq.protocol.smtp_server import (
     ServerConnection,
     StartTLS,
     State,
+    _long_line,
 )
 
 Policy = Callable[[Event], Reply | None]
@@ -747,6 +748,60 @@ def test_text_line_limit() -> None:
     events, out = message(b"x" * 999 + b"\r\n.\r\n")
     assert out[-2:] == ["500 5.5.2", "221 2.0.0"]
     assert body_events(events)[0] == DataChunk(b"x" * 998)
+
+
+_LINE78 = b"z" * 76 + b"\r\n"
+_SHORT = b"ab\r\n" * 300  # longer than a line may be: the fast path walks it for long lines
+
+
+# The branches of the DATA fast path (``_clean_lines``): where the first dot line is, and
+# the long-line walk.  Each must give what feeding the same bytes one by one gives (the
+# line-by-line path), and the text or reply listed here.
+@pytest.mark.parametrize(
+    ("name", "body", "text", "reply"),
+    [
+        ("no dot line", b"a\r\nb\r\n", b"a\r\nb\r\n", "250 2.0.0"),
+        ("only the first line stuffed", b"..a\r\nb\r\n", b".a\r\nb\r\n", "250 2.0.0"),
+        ("a stuffed line before the end", b"a\r\n..b\r\nc\r\n", b"a\r\n.b\r\nc\r\n", "250 2.0.0"),
+        (
+            "a stuffed line, the end past the window",
+            b"a\r\n..b\r\n" + _LINE78 * 300,
+            b"a\r\n.b\r\n" + _LINE78 * 300,
+            "250 2.0.0",
+        ),
+        (
+            "the end marker across the window's edge",
+            b"y" * 79 + b"\r\n" + _LINE78 * 209,
+            b"y" * 79 + b"\r\n" + _LINE78 * 209,
+            "250 2.0.0",
+        ),
+        ("a line at the limit after short ones", _SHORT + b"x" * 998 + b"\r\n", None, "250 2.0.0"),
+        ("a long line after short ones", _SHORT + b"x" * 999 + b"\r\n", None, "500 5.5.2"),
+        ("a long line before short ones", b"x" * 999 + b"\r\n" + _SHORT, None, "500 5.5.2"),
+        ("a long line between", _SHORT + b"x" * 1500 + b"\r\n" + _SHORT, None, "500 5.5.2"),
+        ("a bare CR after short ones", _SHORT + b"a\rb\r\n", None, "554 5.6.0"),
+    ],
+)
+def test_fast_path_branches_equal_byte_by_byte(
+    name: str, body: bytes, text: bytes | None, reply: str
+) -> None:
+    data = TX + body + b".\r\nQUIT\r\n"
+    events, out = drive([data], conn=make(max_message_size=100_000))
+    assert (events, out) == drive([bytes([b]) for b in data], conn=make(max_message_size=100_000))
+    assert out[-2] == reply, name
+    if text is not None:
+        chunks = b"".join(e.data for e in events if isinstance(e, DataChunk))
+        assert chunks == text, name
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lines=st.lists(st.binary(max_size=30).filter(lambda b: not {13, 10} & set(b)), max_size=30),
+    most=st.integers(0, 25),
+)
+def test_long_line_walk_finds_what_splitting_finds(lines: list[bytes], most: int) -> None:
+    region = b"".join(line + b"\r\n" for line in lines)
+    assert _long_line(region, len(region), most) == any(len(line) > most for line in lines)
 
 
 def test_custom_text_line_limit_counts_after_unstuffing() -> None:

@@ -590,35 +590,44 @@ class ServerConnection:
         the line-by-line path (``_data_line_start`` / ``_content``) to decide a fault.
 
         Taken only when the lines up to the end marker (or the last CRLF) hold no CR or LF
-        outside CRLF pairs and no NUL (one ``find``: memchr), no line is longer than the
-        limit even before unstuffing, and the size limit is not reached; then unstuffing is
-        one ``replace``.  Anything else returns False and the same bytes go through the
-        careful path, so faults are found exactly as there (the Hypothesis chunking tests
-        compare both paths).  After a refusal the careful path takes the whole window
+        outside CRLF pairs and no NUL, no line is longer than the limit even before
+        unstuffing, and the size limit is not reached; then unstuffing is one ``replace``,
+        made only when a line after the first starts with a dot.  Anything else returns
+        False and the same bytes go through the careful path, so faults are found exactly as
+        there (the Hypothesis chunking tests and the table of this path's branches compare
+        both paths).  After a refusal the careful path takes the whole window
         before this is tried again (``_careful``), so no octet is scanned more than twice.
         """
         buf = self._buffer
+        stuffed = False  # a line after the first starts with a dot
         if buf.startswith(_END_MARK):
             stop = 0
         else:
-            marker = buf.find(b"\r\n.\r\n", 0, _FAST_WINDOW)
+            # The first line after the first to start with a dot: none (the common case)
+            # means no end marker here and nothing to unstuff but perhaps the first line.
+            dot = buf.find(b"\r\n.", 0, _FAST_WINDOW)
+            marker = -1 if dot < 0 else buf.find(b"\r\n.\r\n", dot, _FAST_WINDOW)
+            stuffed = 0 <= dot != marker
             stop = marker + 2 if marker >= 0 else buf.rfind(_CRLF, 0, _FAST_WINDOW) + 2
             if stop < 2:
                 return False  # no complete line in the window
         region = bytes(buf[:stop])
         lines = region.split(_CRLF)
         # Without its CRLF pairs the text holds a CR or LF only if one was bare.  One split
-        # serves both checks (counting CR, LF and CRLF took three more passes).
+        # serves the three checks (counting CR, LF and CRLF instead took longer).
         bare = b"".join(lines)
+        most = self.max_text_line - 2  # octets of text in a line, its CRLF not counted
         if (
             bare.find(b"\r") >= 0
             or bare.find(b"\n") >= 0
             or bare.find(b"\0") >= 0
-            or max(map(len, lines)) > self.max_text_line - 2
+            # A line longer than the limit needs a region longer than the limit and a CRLF.
+            or (stop > most + 2 and _long_line(region, stop, most))
         ):
             self._careful = stop
             return False
-        text = region.replace(b"\r\n.", _CRLF)  # RFC 5321 4.5.2, every line but the first
+        # RFC 5321 4.5.2, every line but the first (the first is just below).
+        text = region.replace(b"\r\n.", _CRLF) if stuffed else region
         if text[:1] == b".":
             text = text[1:]
         if self._data_size + len(text) > self.max_message_size:
@@ -694,6 +703,21 @@ class ServerConnection:
             self._send(fault)
         else:
             self._decide(DataEnd(), events)
+
+
+def _long_line(data: bytes, stop: int, most: int) -> bool:
+    """Whether a line of ``data[:stop]`` holds more than ``most`` octets, when every line
+    there ends in CRLF and no other CR is there.  From a line's start, the last CR within
+    ``most`` octets (``rfind``: memrchr) ends every line that starts before it, all short
+    enough; none means the line starting there is too long.  So the walk takes a step per
+    ``most`` octets or so, not one per line."""
+    start = 0
+    while start < stop:
+        end = data.rfind(b"\r", start, min(start + most + 1, stop))
+        if end < 0:
+            return True
+        start = end + 2  # past its CRLF: the next line's start
+    return False
 
 
 @functools.lru_cache(maxsize=64)
