@@ -13,6 +13,7 @@ from zoneq.protocol.dsn import Notify, Ret
 from zoneq.protocol.replies import EnhancedStatus, Reply, parse_reply
 from zoneq.protocol.smtp_commands import BodyType
 from zoneq.protocol.smtp_server import (
+    SASL_RESPONSE_LIMIT,
     AuthRequest,
     AuthResponse,
     DataChunk,
@@ -424,6 +425,55 @@ def test_rejected_recipients_do_not_count() -> None:
     data = EHLO + MAIL + b"RCPT TO:<bad@d>\r\nRCPT TO:<a@d>\r\nRCPT TO:<b@d>\r\n"
     _, out = drive([data], policy, make(max_recipients=1))
     assert out == ["250", "250 2.1.0", "550 5.1.1", "250 2.1.5", "452 4.5.3"]
+
+
+def rcpts(count: int) -> bytes:
+    return b"".join(b"RCPT TO:<r%d@d>\r\n" % i for i in range(count))
+
+
+# RFC 5321 4.5.3.1.10: a client told 452 for recipients past the limit sends them later.  The
+# 452 is not an error, so a long pipelined list never reaches max_errors and loses with the
+# 421 the recipients already accepted.  Other errors still count.
+@pytest.mark.parametrize(
+    ("name", "data", "limits", "expected"),
+    [
+        (
+            "more over the limit than max_errors",
+            EHLO + MAIL + rcpts(10) + b"DATA\r\nhi\r\n.\r\n",
+            {"max_recipients": 3, "max_errors": 5},
+            ["250", "250 2.1.0", *["250 2.1.5"] * 3, *["452 4.5.3"] * 7, "354", "250 2.0.0"],
+        ),
+        (
+            "max_errors of one",
+            EHLO + MAIL + rcpts(4) + b"DATA\r\nhi\r\n.\r\n",
+            {"max_recipients": 1, "max_errors": 1},
+            ["250", "250 2.1.0", "250 2.1.5", *["452 4.5.3"] * 3, "354", "250 2.0.0"],
+        ),
+        (
+            "other errors still count",
+            EHLO + MAIL + rcpts(5) + b"BOGUS\r\nBOGUS\r\nNOOP\r\n",
+            {"max_recipients": 1, "max_errors": 2},
+            ["250", "250 2.1.0", "250 2.1.5", *["452 4.5.3"] * 4, *["500 5.5.2"] * 2, "421 4.7.0"],
+        ),
+        (
+            "a malformed rcpt over the limit is an error",
+            EHLO + MAIL + rcpts(2) + b"RCPT TO:<bad>\r\nNOOP\r\n",
+            {"max_recipients": 1, "max_errors": 1},
+            ["250", "250 2.1.0", "250 2.1.5", "452 4.5.3", "501 5.1.3", "421 4.7.0"],
+        ),
+    ],
+)
+def test_recipients_over_the_limit_are_not_errors(
+    name: str, data: bytes, limits: dict[str, int], expected: list[str]
+) -> None:
+    events, out = drive([data], conn=make(**limits))
+    assert out == expected, name
+    accepted = expected.count("250 2.1.5")
+    assert [e for e in events if isinstance(e, RcptTo)] == [
+        RcptTo(f"r{i}@d") for i in range(accepted)
+    ]
+    assert (DataEnd() in events) == ("250 2.0.0" in expected)
+    assert drive([bytes([b]) for b in data], conn=make(**limits)) == (events, out)
 
 
 # --- command line limits and bare newlines --------------------------------------------------
@@ -1021,6 +1071,158 @@ def test_auth_empty_initial_response_and_cancel() -> None:
 
 def test_auth_requires_tls() -> None:
     assert session(EHLO + b"AUTH PLAIN\r\n", auth_offered=True) == ["250", "538 5.7.11"]
+
+
+def in_exchange() -> ServerConnection:
+    """A connection in the middle of AUTH LOGIN: 334 sent, the client's response awaited."""
+    conn = authed()
+    assert conn.receive(b"AUTH LOGIN\r\n") == [AuthRequest("LOGIN", None)]
+    conn.challenge(b"Username:")
+    conn.data_to_send()
+    assert conn.state is State.AUTH
+    return conn
+
+
+# RFC 4954 section 4: a response the server refuses fails the AUTH command; the client's next
+# line is a command again.  Read as a SASL response, a MAIL would get 501 and bounce.
+@pytest.mark.parametrize(
+    ("name", "line", "expected"),
+    [
+        ("over-long", b"A" * SASL_RESPONSE_LIMIT + b"\r\n", "500 5.5.6"),  # RFC 4954 6
+        ("bare LF", b"dXNl\ncg==\r\n", "501 5.5.2"),
+        ("bare CR", b"dXNl\rcg==\r\n", "501 5.5.2"),
+        ("NUL", b"dXNl\x00cg==\r\n", "501 5.5.2"),
+        ("invalid UTF-8", b"\xff\xfe\r\n", "501 5.5.2"),
+    ],
+)
+def test_a_refused_sasl_line_ends_the_exchange(name: str, line: bytes, expected: str) -> None:
+    data = line + MAIL + b"NOOP\r\n"
+    conn = in_exchange()
+    events, out = drive([data], conn=conn)
+    assert out == [expected, "250 2.1.0", "250 2.0.0"], name
+    assert events == [MailFrom("a@example.org")]
+    assert not conn.authenticated
+    assert conn.state is State.MAIL
+    assert drive([bytes([b]) for b in data], conn=in_exchange()) == (events, out)
+
+
+def test_an_over_long_sasl_line_ends_the_exchange_at_once() -> None:
+    conn = in_exchange()
+    assert conn.receive(b"A" * (SASL_RESPONSE_LIMIT + 10)) == []
+    assert replies(conn.data_to_send()) == ["500 5.5.6"]
+    assert conn.state is State.READY  # before the line ends
+    # The rest of the line is discarded, not run as a command; the next line is one.
+    assert conn.receive(b"B" * 50 + MAIL[:-2] + b"\r\n" + MAIL) == [MailFrom("a@example.org")]
+
+
+def plain(user: bytes, password: bytes) -> bytes:
+    return base64.b64encode(b"\0" + user + b"\0" + password)
+
+
+# RFC 4954 section 4: SASL responses up to 12288 octets; the AUTH command line stays at 512.
+LONG_PLAIN = plain(b"u" * 200, b"p" * 200)  # 536 octets of base64
+AT_LIMIT = SASL_RESPONSE_LIMIT - 2  # octets of a response line, its CRLF not counted
+
+
+@pytest.mark.parametrize(
+    ("name", "line", "expected"),
+    [
+        (
+            "200-octet user and password",
+            LONG_PLAIN,
+            AuthResponse(b"\0" + b"u" * 200 + b"\0" + b"p" * 200),
+        ),
+        (
+            "longest base64 within the limit",
+            b"QUFB" * (AT_LIMIT // 4),
+            AuthResponse(b"AAA" * (AT_LIMIT // 4)),
+        ),
+        ("at the limit, not base64", b"A" * AT_LIMIT, "501 5.5.2"),
+        ("one octet over the limit", b"A" * (AT_LIMIT + 1), "500 5.5.6"),
+    ],
+)
+def test_sasl_response_limit(name: str, line: bytes, expected: AuthResponse | str) -> None:
+    data = line + b"\r\n"
+    conn = in_exchange()
+    events = conn.receive(data)
+    out = replies(conn.data_to_send())
+    if isinstance(expected, AuthResponse):
+        assert (events, out) == ([expected], []), name
+        assert conn.pending == expected
+    else:
+        assert (events, out) == ([], [expected]), name
+        assert conn.state is State.READY
+    assert len(data) <= SASL_RESPONSE_LIMIT or expected == "500 5.5.6"
+
+
+def test_the_auth_command_line_itself_stays_at_512() -> None:
+    line = b"AUTH PLAIN " + LONG_PLAIN + b"\r\n"
+    conn = authed()
+    events, out = drive([line + b"NOOP\r\n"], conn=conn)
+    assert len(line) > 512
+    assert (events, out) == ([], ["500 5.5.2", "250 2.0.0"])
+    assert conn.state is State.READY
+
+
+# RFC 4954 section 5: where EHLO advertised AUTH, MAIL takes AUTH=xtext or AUTH=<> from any
+# client, authenticated or not.  zoneq checks it and does not keep it (nor pass it on).
+def mail_auth(value: bytes) -> bytes:
+    return b"MAIL FROM:<a@example.org> AUTH=" + value + b"\r\n"
+
+
+AUTH_LINE_LIMIT = 512 + 151 + 500  # RFC 5321 4.5.3.1.4, the MAIL parameters, RFC 4954 5
+LONG_AUTH = b"MAIL FROM:<a@example.org> AUTH="
+
+
+def long_auth(total: int) -> bytes:
+    """A MAIL line of ``total`` octets with a valid AUTH= address."""
+    return LONG_AUTH + b"x" * (total - len(LONG_AUTH) - 11) + b"+40b.test\r\n"
+
+
+@pytest.mark.parametrize(
+    ("name", "line", "options", "expected"),
+    [
+        ("unknown sender", mail_auth(b"<>"), {}, "250 2.1.0"),
+        ("xtext address", mail_auth(b"alice+40b.test"), {}, "250 2.1.0"),
+        ("lower-case keyword", b"MAIL FROM:<a@example.org> auth=<>\r\n", {}, "250 2.1.0"),
+        ("with other parameters", mail_auth(b"<> SIZE=10 BODY=8BITMIME"), {}, "250 2.1.0"),
+        ("bad xtext", mail_auth(b"bad+Z"), {}, "501 5.5.4"),
+        ("not an address", mail_auth(b"alice"), {}, "501 5.5.4"),
+        ("a control character", mail_auth(b"a+0Ab@c"), {}, "501 5.5.4"),
+        ("no value", b"MAIL FROM:<a@example.org> AUTH\r\n", {}, "501 5.5.4"),
+        ("twice", mail_auth(b"<> AUTH=<>"), {}, "501 5.5.4"),
+        ("AUTH not advertised: no TLS", mail_auth(b"<>"), {"tls_active": False}, "555 5.5.4"),
+        ("AUTH not offered", mail_auth(b"<>"), {"auth_offered": False}, "555 5.5.4"),
+        ("line at the limit", long_auth(AUTH_LINE_LIMIT), {}, "250 2.1.0"),
+        ("line over the limit", long_auth(AUTH_LINE_LIMIT + 1), {}, "500 5.5.2"),
+        (
+            "AUTH= past the MAIL limit does not extend it",
+            b"MAIL FROM:<a@example.org>" + b" " * 640 + b"AUTH=<>\r\n",
+            {},
+            "500 5.5.2",
+        ),
+    ],
+)
+def test_mail_auth_parameter(
+    name: str, line: bytes, options: dict[str, bool], expected: str
+) -> None:
+    kwargs: dict[str, object] = {"auth_offered": True, "tls_active": True, **options}
+    data = EHLO + line + b"NOOP\r\n"
+    events, out = drive([data], conn=make(**kwargs))
+    assert out[1:] == [expected, "250 2.0.0"], name
+    mails = [e for e in events if isinstance(e, MailFrom)]
+    if expected.startswith("250"):
+        # The event is the one without the parameter: the value is not kept.
+        size, body = (10, BodyType.EIGHT_BIT_MIME) if b"SIZE" in line else (None, None)
+        assert mails == [MailFrom("a@example.org", size, body)]
+    else:
+        assert mails == []
+    assert drive([bytes([b]) for b in data], conn=make(**kwargs)) == (events, out)
+
+
+def test_mail_auth_parameter_after_helo_is_555() -> None:
+    data = b"HELO client.example\r\n" + mail_auth(b"<>")
+    assert session(data, auth_offered=True, tls_active=True) == ["250", "555 5.5.4"]
 
 
 def test_events_that_need_decisions() -> None:

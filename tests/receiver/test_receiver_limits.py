@@ -103,6 +103,28 @@ def test_rcpt_over_the_extended_limit_is_refused(tmp_path: Path) -> None:
 # --- the error limit ------------------------------------------------------------------------
 
 
+def test_recipients_past_the_limit_do_not_cut_the_session_off(tmp_path: Path) -> None:
+    """The default limits (1,000 recipients, 20 errors) and 1,021 pipelined RCPTs: 21 x 452
+    (RFC 5321 4.5.3.1.10: the client sends those later), not a 421 that would lose the
+    1,000 accepted on every retry; the message is stored with its 1,000 recipients."""
+
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.greeted(rx.port)
+        rcpts = b"".join(b"RCPT TO:<r%d@b.test>\r\n" % i for i in range(1021))
+        await raw.send(b"MAIL FROM:<c@d.test>\r\n" + rcpts + b"DATA\r\n")
+        replies = [await raw.reply() for _ in range(1 + 1021 + 1)]
+        assert replies[0].startswith("250 2.1.0")
+        assert all(r.startswith("250 2.1.5") for r in replies[1:1001])
+        assert all(r.startswith("452 4.5.3") for r in replies[1001:1022]), replies[1001:]
+        assert replies[1022].startswith("354 ")
+        msg_id = queued_id(await raw.cmd("Subject: many\r\n\r\nhi\r\n."))
+        await raw.quit()
+        stored = [queued.recipient.address for queued in store.recipients(msg_id)]
+        assert sorted(stored) == sorted(f"r{i}@b.test" for i in range(1000))
+
+    run(tmp_path, body)
+
+
 def test_harvesting_client_is_cut_off_at_max_errors(tmp_path: Path) -> None:
     async def body(rx: SmtpReceiver, store: QueueStore) -> None:
         raw = await Raw.greeted(rx.port)

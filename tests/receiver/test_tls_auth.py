@@ -137,14 +137,20 @@ def test_wrong_password_is_535_after_a_delay_and_the_third_failure_closes(
     run(tmp_path, body, **tls_options(tls_files))
 
 
+async def over_tls(port: int, files: TlsFiles) -> Raw:
+    """A session from ``CLIENT`` after STARTTLS and the second EHLO, which offers AUTH."""
+    raw = await Raw.connect(port, source=CLIENT)
+    await raw.reply()
+    await raw.cmd("EHLO client.test")
+    assert (await raw.cmd("STARTTLS")).startswith("220 ")
+    await raw.start_tls(client_context(files), HOSTNAME)
+    assert "AUTH PLAIN LOGIN" in await raw.cmd("EHLO client.test")
+    return raw
+
+
 def test_auth_exchange_cancelled_and_malformed(tmp_path: Any, tls_files: TlsFiles) -> None:
     async def body(rx: SmtpReceiver, store: QueueStore) -> None:
-        raw = await Raw.connect(rx.port, source=CLIENT)
-        await raw.reply()
-        await raw.cmd("EHLO client.test")
-        await raw.cmd("STARTTLS")
-        await raw.start_tls(client_context(tls_files), HOSTNAME)
-        await raw.cmd("EHLO client.test")
+        raw = await over_tls(rx.port, tls_files)
         assert await raw.cmd("AUTH PLAIN") == "334 "
         assert (await raw.cmd("*")).startswith("501 5.0.0")  # RFC 4954 4: cancelled
         bad = base64.b64encode(b"no-separators").decode()
@@ -155,6 +161,43 @@ def test_auth_exchange_cancelled_and_malformed(tmp_path: Any, tls_files: TlsFile
         await raw.close()
 
     run(tmp_path, body, **tls_options(tls_files))
+
+
+LONG_USER, LONG_PASSWORD = "u" * 200, "p" * 200  # RFC 4616 allows 255 octets each
+
+
+def test_long_credentials_refused_lines_and_mail_auth_parameter(
+    tmp_path: Any, tls_files: TlsFiles
+) -> None:
+    """RFC 4954 through the real receiver: a line refused inside an exchange ends it (the
+    MAIL after it is a command, not a response answered 501); a 538-octet PLAIN response
+    after 334 is taken (the limit there is 12288 octets); MAIL's AUTH= is accepted
+    before and after AUTH; the message is stored with the session's own AUTH user."""
+
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await over_tls(rx.port, tls_files)
+        assert (await raw.cmd("AUTH LOGIN")).startswith("334 ")
+        await raw.send(b"\xff\xfe\r\n")  # invalid UTF-8 cannot be base64
+        assert (await raw.reply()).startswith("501 5.5.2")
+        assert (await raw.cmd("MAIL FROM:<c@d.test> AUTH=<>")).startswith("250 2.1.0")
+        assert (await raw.cmd("RSET")).startswith("250 ")
+        assert await raw.cmd("AUTH PLAIN") == "334 "
+        assert (await raw.cmd("A" * 12_300)).startswith("500 5.5.6")
+        assert (await raw.cmd("NOOP")).startswith("250 ")
+        assert await raw.cmd("AUTH PLAIN") == "334 "
+        response = base64.b64encode(f"\0{LONG_USER}\0{LONG_PASSWORD}".encode()).decode()
+        assert len(response) + 2 > 512
+        assert (await raw.cmd(response)).startswith("235 2.7.0")
+        mail = f"MAIL FROM:<c@d.test> AUTH={LONG_USER}+40d.test"
+        assert (await raw.cmd(mail)).startswith("250 2.1.0")
+        assert (await raw.cmd("RCPT TO:<a@b.test>")).startswith("250 ")  # relay: authed
+        assert (await raw.cmd("DATA")).startswith("354 ")
+        msg_id = queued_id(await raw.cmd("Subject: hi\r\n\r\nhi\r\n."))
+        await raw.quit()
+        assert store.message(msg_id).source["auth"] == LONG_USER
+
+    users = {**USERS, LONG_USER: hash_password(LONG_PASSWORD)}
+    run(tmp_path, body, **tls_options(tls_files, auth_users=users))
 
 
 @pytest.mark.parametrize("separate", [False, True], ids=["one-packet", "two-writes"])

@@ -21,6 +21,11 @@ Choices:
   RFC 3030 but not offered, is 504 5.5.4 (parameter not implemented).
 * A space after ``FROM:`` / ``TO:`` is tolerated (RFC 5321 forbids it, many clients send
   it, and it is unambiguous).
+* MAIL's ``AUTH=`` (RFC 4954 section 5) is accepted where EHLO advertised AUTH, from
+  authenticated clients or not (the RFC's MUST), checked (xtext decoding to an addr-spec or
+  ``<>``, else 501 5.5.4) and then dropped: zoneq does not pass the AUTH identity on to the
+  next hop, which is what the RFC allows a server that does not trust it (it is then
+  treated as ``<>``).  The session's own AUTH user is what zoneq records.
 * A source route (``<@a,@b:user@c>``, RFC 5321 section 4.1.2 A-d-l) is parsed, never
   followed.  In a reverse-path it is dropped (appendix C: servers "MUST be prepared to
   receive" it, section 3.6.1: they SHOULD ignore it).  In a forward-path it is handed on
@@ -241,6 +246,7 @@ def _value(key: str, value: str | None) -> str:
 
 
 _MAIL_PARAMETERS: Final = frozenset({"SIZE", "BODY", "SMTPUTF8", "RET", "ENVID"})
+_MAIL_PARAMETERS_AUTH: Final = _MAIL_PARAMETERS | {"AUTH"}
 
 
 def _size(value: str | None, max_size: int) -> int:
@@ -285,12 +291,30 @@ def _envid(value: str | None) -> str:
     return envid
 
 
-def parse_mail(argument: str, *, esmtp: bool, max_size: int) -> MailCommand:
+def _check_auth(value: str | None) -> None:
+    """RFC 4954 section 5: ``AUTH=`` xtext whose decoded form is an addr-spec or ``<>``.
+
+    Only the shape is checked (an "@" between a local part and a domain, no controls):
+    the value is never used, so finer addr-spec syntax would refuse mail for nothing.
+    """
+    try:
+        identity = xtext_decode(_value("AUTH", value))
+    except ProtocolError:
+        raise CommandError(bad_arguments("AUTH is not xtext")) from None
+    if identity == "<>":
+        return
+    local, at, domain = identity.rpartition("@")
+    if not (at and local and domain) or _CONTROL.search(identity):
+        raise CommandError(bad_arguments("AUTH must be an address or <>"))
+
+
+def parse_mail(argument: str, *, esmtp: bool, max_size: int, auth: bool = False) -> MailCommand:
     """Parse the argument of MAIL (``FROM:<path> params``).
 
     ``esmtp`` is False after HELO: then no parameter is allowed (RFC 1869 section 4.2,
     carried into RFC 5321 section 4.1.1.11).  A SIZE over ``max_size`` is 552 5.3.4
-    (RFC 1870 section 6).
+    (RFC 1870 section 6).  ``auth`` says whether EHLO advertised AUTH: only then is the
+    ``AUTH=`` parameter known (checked, not kept); otherwise it is 555 like any other.
     """
     path, param_text = _split_path(argument, "FROM:")
     params = _parameters(param_text)
@@ -305,9 +329,12 @@ def parse_mail(argument: str, *, esmtp: bool, max_size: int) -> MailCommand:
     body = _body(params["BODY"]) if "BODY" in params else None
     ret = _ret(params["RET"]) if "RET" in params else None
     envid = _envid(params["ENVID"]) if "ENVID" in params else None
+    known = _MAIL_PARAMETERS_AUTH if auth else _MAIL_PARAMETERS
     for key in params:
-        if key not in _MAIL_PARAMETERS:
+        if key not in known:
             raise CommandError(_unsupported_parameter(key))
+    if "AUTH" in params:
+        _check_auth(params["AUTH"])
     return MailCommand(sender, size, body, smtputf8, ret, envid)
 
 

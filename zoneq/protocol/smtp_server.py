@@ -18,7 +18,12 @@ on the events that come back, and writes out ``data_to_send()``.  Like h11, the 
   by 421 4.7.0 and the session closes (Postfix's ``smtpd_hard_error_limit``): otherwise a
   client could hold a session for ever with bad commands, or harvest addresses with
   refused RCPTs.  A message accepted (250 at the final dot) starts the count again, so a
-  bulk session with a refused recipient now and then is never cut off.
+  bulk session with a refused recipient now and then is never cut off.  One exception:
+  the 452 for a recipient past ``max_recipients`` is not an error.  RFC 5321 section
+  4.5.3.1.10 has the client send those recipients later, in another transaction; a client
+  pipelining a long list would otherwise reach the limit and lose with the 421 every
+  recipient already accepted, on every retry.  That 452 is given before any lookup, so it
+  tells a harvester nothing, and it costs no more than a NOOP (which does not count either).
 * Commands the machine can answer alone (EHLO, NOOP, RSET, ...) are answered at once.
   Commands that need the driver's judgement (``MailFrom``, ``RcptTo``, ``DataStart``,
   ``DataEnd``, ``AuthRequest``, ``AuthResponse``) become events with ``needs_decision``;
@@ -61,6 +66,13 @@ initial state and the client must send EHLO again.
 AUTH (RFC 4954) is left to the driver: ``AuthRequest(mechanism, initial)`` with the initial
 response base64-decoded; the driver answers ``accept`` (235), ``reject`` (535, ...) or
 ``challenge(data)`` (334), after which the client's next line arrives as ``AuthResponse``.
+That line may be ``SASL_RESPONSE_LIMIT`` octets, not 512 (the AUTH command line itself
+stays at 512: RFC 4954 section 4 has the client drop the initial response rather than
+exceed it).  A line the machine refuses there (too long: 500 5.5.6; a bare CR/LF, NUL or
+invalid UTF-8, which cannot be base64: 501 5.5.2) fails the AUTH command (RFC 4954
+section 4), so the client's next line is read as a command again, never as a response.
+MAIL's ``AUTH=`` parameter (RFC 4954 section 5) is accepted once EHLO advertised AUTH; it
+adds 500 octets to the MAIL line limit when present.
 """
 
 from __future__ import annotations
@@ -83,6 +95,7 @@ from zoneq.protocol.smtp_commands import (
 
 __all__ = [
     "AUTH_MECHANISMS",
+    "SASL_RESPONSE_LIMIT",
     "AuthRequest",
     "AuthResponse",
     "DataChunk",
@@ -119,6 +132,11 @@ _CRLF: Final = b"\r\n"
 _END_MARK: Final = b".\r\n"  # at the start of a line: the end of DATA (RFC 5321 4.1.1.4)
 _FAST_WINDOW: Final = 16_384  # octets of whole lines the DATA fast path takes at a time
 AUTH_MECHANISMS: Final = ("PLAIN", "LOGIN")
+# RFC 4954 section 4: a server MUST take SASL responses as long as its mechanisms' largest
+# encoded one, and names 12288 octets as enough for nearly all (Postfix's
+# smtpd_sasl_response_limit is the same).  PLAIN's three parts of up to 255 octets
+# (RFC 4616 section 2) are 1,024 in base64: 512 would refuse valid credentials.
+SASL_RESPONSE_LIMIT: Final = 12_288
 
 
 def _r(code: int, text: str, klass: int, subject: int, detail: int) -> Reply:
@@ -141,6 +159,10 @@ MESSAGE_TOO_BIG: Final = _r(552, "Message size exceeds fixed maximum message siz
 BARE_NEWLINE_IN_DATA: Final = _r(554, "Bare CR or LF not allowed in message data", 5, 6, 0)
 NUL_IN_DATA: Final = _r(554, "NUL octet not allowed in message data", 5, 6, 0)
 TOO_MANY_ERRORS: Final = _r(421, "Too many errors, closing connection", 4, 7, 0)
+# RFC 4954 section 6: 500 5.5.6 for a SASL response longer than the server takes; 501 5.5.2
+# (section 4) for one that is not base64.
+AUTH_LINE_TOO_LONG: Final = _r(500, "Authentication Exchange line is too long", 5, 5, 6)
+INVALID_BASE64: Final = _r(501, "Invalid base64 data", 5, 5, 2)
 TEXT_LINE_TOO_LONG: Final = syntax_error("Line too long")
 
 
@@ -172,6 +194,10 @@ _NESTED_MAIL: Final = _r(503, "Sender already specified", 5, 5, 1)
 # (RFC 3461 section 4); RCPT NOTIFY= and ORCPT= 500 (RFC 3461 section 4).  Keyed by the
 # verb and its space, as the line starts.
 _EXTENDED: Final = {b"MAIL ": 26 + 15 + 10 + 100, b"RCPT ": 500}
+# MAIL's AUTH= adds 500 more (RFC 4954 section 5) when the line has it within the limit
+# above, so that a line cut anywhere is judged the same as the whole line.
+_AUTH_PARAMETER: Final = b" AUTH="
+_AUTH_EXTRA: Final = 500
 
 
 class ServerConnection:
@@ -319,9 +345,9 @@ class ServerConnection:
             raise DecisionError("no decision is pending")
         return event
 
-    def _send(self, reply: Reply) -> None:
+    def _send(self, reply: Reply, *, counted: bool = True) -> None:
         self._out += _wire(reply)
-        if reply.code < 400:
+        if reply.code < 400 or not counted:
             return
         if reply.code == 421:
             self.state = State.CLOSED
@@ -380,7 +406,8 @@ class ServerConnection:
                 continue
             if end < 0:
                 if len(buf) >= self.max_command_line and len(buf) >= self._line_limit(buf):
-                    self._send(LINE_TOO_LONG)
+                    # Answered at once, the rest of the line discarded as it comes.
+                    self._refuse_line(LINE_TOO_LONG, AUTH_LINE_TOO_LONG)
                     self._discarding = True
                     continue
                 return None
@@ -388,22 +415,36 @@ class ServerConnection:
             del buf[: end + 2]
             # The plain limit first: the verb is looked at only for a line longer than it.
             if end + 2 > self.max_command_line and end + 2 > self._line_limit(raw):
-                self._send(LINE_TOO_LONG)
+                self._refuse_line(LINE_TOO_LONG, AUTH_LINE_TOO_LONG)
                 continue
             if b"\r" in raw or b"\n" in raw or b"\0" in raw:
-                self._send(BARE_NEWLINE_IN_COMMAND)
+                self._refuse_line(BARE_NEWLINE_IN_COMMAND, INVALID_BASE64)
                 continue
             try:
                 return raw.decode("utf-8")
             except UnicodeDecodeError:
-                self._send(syntax_error("Invalid UTF-8 in command"))
+                self._refuse_line(syntax_error("Invalid UTF-8 in command"), INVALID_BASE64)
         return None
+
+    def _refuse_line(self, reply: Reply, in_auth: Reply) -> None:
+        """Answer a line refused before parsing: ``reply``, or ``in_auth`` for a SASL
+        response.  RFC 4954 section 4: a response the server cannot take fails the AUTH
+        command, so the exchange ends here and the next line is a command again (were it
+        read as a response, the client's MAIL would get a 5xx and its mail would bounce)."""
+        if self.state is State.AUTH:
+            self.state = State.READY
+            reply = in_auth
+        self._send(reply)
 
     def _line_limit(self, line: bytes | bytearray) -> int:
         """The longest command line (CRLF included) allowed for ``line``'s verb."""
         if self.state is State.AUTH:
-            return self.max_command_line  # a SASL response, not a command
-        return self.max_command_line + _EXTENDED.get(bytes(line[:5]).upper(), 0)
+            return max(self.max_command_line, SASL_RESPONSE_LIMIT)  # a SASL response
+        verb = bytes(line[:5]).upper()
+        limit = self.max_command_line + _EXTENDED.get(verb, 0)
+        if verb == b"MAIL " and bytes(line[:limit]).upper().find(_AUTH_PARAMETER) >= 0:
+            limit += _AUTH_EXTRA
+        return limit
 
     def _line(self, line: str, events: list[Event]) -> None:
         if self.state is State.AUTH:
@@ -446,7 +487,9 @@ class ServerConnection:
             raise CommandError(BAD_SEQUENCE_HELLO)
         if self.state in _IN_TRANSACTION:
             raise CommandError(_NESTED_MAIL)
-        cmd = parse_mail(arg, esmtp=self._esmtp, max_size=self.max_message_size)
+        # RFC 4954 section 5: AUTH= is a MAIL parameter where EHLO advertised AUTH.
+        auth = self._esmtp and self.auth_offered and self.tls_active
+        cmd = parse_mail(arg, esmtp=self._esmtp, max_size=self.max_message_size, auth=auth)
         event = MailFrom(cmd.sender, cmd.size, cmd.body, cmd.smtputf8, cmd.ret, cmd.envid)
         self._decide(event, events)
 
@@ -455,7 +498,10 @@ class ServerConnection:
             raise CommandError(BAD_SEQUENCE_HELLO if self.state is State.INITIAL else _NEED_MAIL)
         cmd = parse_rcpt(arg, esmtp=self._esmtp, smtputf8=self._smtputf8)
         if self._recipients >= self.max_recipients:
-            raise CommandError(TOO_MANY_RECIPIENTS)  # RFC 5321 4.5.3.1.10
+            # RFC 5321 4.5.3.1.10: the client sends the rest later.  Not an error (see the
+            # module docstring): counting it would cut off a long pipelined list.
+            self._send(TOO_MANY_RECIPIENTS, counted=False)
+            return
         self._decide(RcptTo(cmd.recipient, cmd.notify, cmd.orcpt, cmd.route), events)
 
     def _data(self, arg: str, events: list[Event]) -> None:
@@ -768,7 +814,7 @@ def _b64(text: str) -> bytes:
         return base64.b64decode(text.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError):
         # RFC 4954 section 4: a response that is not base64 is answered 501.
-        raise CommandError(_r(501, "Invalid base64 data", 5, 5, 2)) from None
+        raise CommandError(INVALID_BASE64) from None
 
 
 _DEFAULT_ACCEPT: Final[dict[type[Event], Reply]] = {
