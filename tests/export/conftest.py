@@ -6,8 +6,10 @@ made up by hand.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tests.storage.conftest import (  # noqa: F401  (stores: the storage tests' fixture)
     MINUTE,
@@ -147,3 +149,16 @@ def _case(domain: str) -> str:
         if name.lower() == domain:
             return name
     raise KeyError(domain)
+
+
+def stopped_directory(path: Path, messages: int = 20, rounds: int = 2) -> Path:
+    """A data directory after a day of traffic, closed (zoneq stopped): ``path``."""
+
+    async def fill() -> None:
+        store = QueueStore.open(path)
+        store.recover()
+        await Traffic(store).day(messages=messages, rounds=rounds)
+        await store.close()
+
+    asyncio.run(fill())
+    return path

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.export.conftest import ZONES, Traffic
+from tests.export.conftest import ZONES, Traffic, stopped_directory
 from tests.storage.conftest import StoreFactory, async_test
 from tests.support.bed import ok_test_bed
 from tests.support.serve import running_serve, smtp_port
@@ -294,13 +294,7 @@ def zoneq(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.integration
 def test_command_exports_a_stopped_zoneqs_directory(tmp_path: Path) -> None:
-    async def fill() -> None:
-        store = QueueStore.open(tmp_path / "queue")
-        store.recover()
-        await Traffic(store).day(messages=20, rounds=2)
-        await store.close()
-
-    asyncio.run(fill())
+    stopped_directory(tmp_path / "queue")
     out = tmp_path / "export"
     first = zoneq("export", str(out), "--data-dir", str(tmp_path / "queue"), "--format", "jsonl")
     assert first.returncode == 0, first.stderr

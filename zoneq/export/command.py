@@ -12,8 +12,15 @@ from pathlib import Path
 from zoneq.config import Config, load_config
 from zoneq.errors import ConfigError, StorageUnavailable, StoreLocked
 from zoneq.export.files import Format, MissingDependency
+from zoneq.export.lock import exclusive
 from zoneq.export.run import export_events, export_queue
-from zoneq.export.sources import ApiSource, DirectorySource, Source, api_settings
+from zoneq.export.sources import (
+    ApiSource,
+    DirectorySource,
+    Source,
+    api_settings,
+    api_unreachable,
+)
 from zoneq.export.watermark import ExportError
 from zoneq.protocol.ids import format_id
 
@@ -61,7 +68,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
     fmt = Format(args.format)
     progress = sys.stderr.isatty() if args.progress is None else bool(args.progress)
     try:
-        with _source(data_dir, config) as source:
+        # The export directory first: a second run into it is refused before it opens (and
+        # holds) the data directory, and events and queue come from one run.
+        with exclusive(args.out), _source(data_dir, config) as source:
             if args.only != "queue":
                 done = export_events(source, args.out, fmt, progress=progress)
                 mark = "none" if done.after is None else format_id(done.after)
@@ -99,7 +108,16 @@ def _source(data_dir: Path, config: Config) -> Iterator[Source]:
         source: Source
         try:
             source = stack.enter_context(DirectorySource.open(data_dir))
-        except StoreLocked:
+        except StoreLocked as exc:
             listen, token = api_settings(config)
+            # LevelDB's lock says only that some process holds the directory: a running
+            # zoneq, or another export of a stopped one.  Only the API can tell them apart.
+            if (reason := api_unreachable(listen)) is not None:
+                raise ExportError(
+                    f"the data directory {data_dir} is held by another process (a running "
+                    "zoneq, or another zoneq export reading it), and no zoneq API answers "
+                    f"({reason}); if zoneq is stopped, run this again when the other export "
+                    "has finished"
+                ) from exc
             source = ApiSource(listen, token)
         yield source

@@ -2,7 +2,8 @@
 
 Events are read oldest first from the source (one snapshot), cut into batches, and each
 batch is written as one part file per (day, zone) it touches.  Only when every file is in
-place does the watermark move to the last event written.  See ``files.py`` for the layout
+place does the watermark move to the last event written.  One run at a time per export
+directory (``lock.py``).  See ``files.py`` for the layout
 and for what a run that dies half-way leaves behind (nothing the next run keeps).
 """
 
@@ -25,6 +26,7 @@ from zoneq.export.files import (
     utc_day,
     write_rows,
 )
+from zoneq.export.lock import exclusive
 from zoneq.export.sources import Source
 from zoneq.export.watermark import ExportError, Watermark
 from zoneq.protocol.columns import EVENT_COLUMNS, QUEUE_COLUMNS, QUEUE_VERSION
@@ -65,8 +67,17 @@ class Progress:
 def export_events(
     source: Source, out: Path, fmt: Format, *, progress: bool = False, batch: int = BATCH
 ) -> EventsExported:
-    """Append the events after ``out``'s watermark to ``out`` and move the watermark."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Append the events after ``out``'s watermark to ``out`` and move the watermark.
+
+    Holds ``out``'s export lock from reading the watermark to saving it (``lock.py``):
+    ``ExportError`` at once while another run is writing there."""
+    with exclusive(out):
+        return _export_events(source, out, fmt, progress=progress, batch=batch)
+
+
+def _export_events(
+    source: Source, out: Path, fmt: Format, *, progress: bool, batch: int
+) -> EventsExported:
     mark = watermark.load(out)
     if mark is None:
         mark = Watermark(fmt)
@@ -112,7 +123,13 @@ def _write_batch(out: Path, chunk: list[dict[str, Any]], run_start: str, fmt: Fo
 
 
 def export_queue(source: Source, out: Path, fmt: Format, *, now_ms: int) -> int:
-    """Replace ``out``'s queue export with the queue as it is now; how many recipients."""
+    """Replace ``out``'s queue export with the queue as it is now; how many recipients
+    (under ``out``'s export lock, as ``export_events``)."""
+    with exclusive(out):
+        return _export_queue(source, out, fmt, now_ms=now_ms)
+
+
+def _export_queue(source: Source, out: Path, fmt: Format, *, now_ms: int) -> int:
     path = out / QUEUE_DIR / (QUEUE_STEM + fmt.suffix)
     for other in Format:  # a format switch must not leave the old file for readers
         if other is not fmt:

@@ -13,6 +13,8 @@ import contextlib
 import json
 import queue
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ from zoneq.storage.store import QueueStore
 
 TOKEN_FILE: Final = "api.token"  # where zoneq serve puts a generated token (zoneq.api.token)
 API_TIMEOUT_S: Final = 30.0
+PROBE_TIMEOUT_S: Final = 5.0
 
 
 class Source(Protocol):
@@ -164,6 +167,22 @@ def _ndjson(url: str, token: str | None) -> Iterator[dict[str, Any]]:
         thread.join(timeout=5)
 
 
+def api_unreachable(listen: str) -> str | None:
+    """Why no zoneq API answers ``GET /health`` at ``listen`` (no token needed), or None
+    when one does, whatever its status (a 503 is a core whose store cannot write, which
+    still serves reads).  Asked when the data directory is locked: the holder may be a
+    running zoneq, or another export of a stopped one."""
+    url = f"http://{listen}/health"
+    try:
+        with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_S):
+            return None
+    except urllib.error.HTTPError:
+        return None  # an HTTP reply: something serves there
+    except (OSError, ValueError) as exc:  # URLError is an OSError; a bad listen a ValueError
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        return f"{url}: {reason}"
+
+
 def api_settings(config: Config) -> tuple[str, str | None]:
     """``[api] listen`` and the bearer token: ``api.token``, the first line of
     ``api.token_file``, or the one ``zoneq serve`` generated into the data directory."""
@@ -184,4 +203,4 @@ def api_settings(config: Config) -> tuple[str, str | None]:
     return api.listen, (lines[0].strip() or None) if lines else None
 
 
-__all__ = ["ApiSource", "DirectorySource", "Source", "api_settings"]
+__all__ = ["ApiSource", "DirectorySource", "Source", "api_settings", "api_unreachable"]
