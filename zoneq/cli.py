@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from zoneq import __version__, logs
-from zoneq.config import load_config
-from zoneq.errors import ConfigError, ListenError, StoreLocked
+from zoneq.config import Config, load_config
+from zoneq.errors import ConfigError, DataDirError, ListenError, StoreLocked
 
 # Started by ``zoneq serve``, never by hand: their parsers are all these processes need.
 _INTERNAL = frozenset({"worker", "receiver"})
@@ -34,7 +34,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # found at start-up: a plugin's init refused (issue 5)
         print(f"zoneq: configuration error:\n{exc}", file=sys.stderr)
         return 2
-    except (StoreLocked, ListenError) as exc:
+    except (StoreLocked, ListenError, DataDirError) as exc:
         print(f"zoneq: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -70,10 +70,16 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     from zoneq.plugin.check import plugin_problems
 
     problems = check_config(args.config)
+    warnings: list[str] = []
     if not problems:
-        # What start-up would find next: each plugin's own init (key files, zones, events).
-        problems = [str(p) for p in plugin_problems(load_config(args.config))]
+        config = load_config(args.config)
+        # What start-up would find next: each plugin's own init (key files, zones, events),
+        # and the API token, read as serve reads it.
+        problems = [str(p) for p in plugin_problems(config)]
+        problems += _token_problems(config, warnings)
     where = args.config if args.config is not None else "the built-in configuration"
+    for line in warnings:
+        print(f"{where}: warning: {line}", file=sys.stderr)
     if problems:
         print(f"{where}: {len(problems)} problem(s)", file=sys.stderr)
         for line in problems:
@@ -81,6 +87,20 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
         return 1
     print(f"{where}: ok")
     return 0
+
+
+def _token_problems(config: Config, warnings: list[str]) -> list[str]:
+    """The API token's problems as serve would meet them (``find_token``, the same read);
+    a token file others can read is appended to ``warnings``."""
+    from zoneq.api.token import find_token, token_warning
+
+    try:
+        find_token(config)
+    except ConfigError as exc:
+        return [str(exc)]
+    if (warning := token_warning(config)) is not None:
+        warnings.append(warning)
+    return []
 
 
 def build_parser(*, internal_only: bool = False) -> argparse.ArgumentParser:

@@ -49,8 +49,14 @@ class StoreLocked(ZoneqError):
     """Another process holds the data directory's LevelDB lock."""
 
 
+class DataDirError(ZoneqError):
+    """The queue's directory (``server.data_dir``) cannot be created or opened: a start-up
+    error naming the key and the path, never a traceback."""
+
+
 class ListenError(ZoneqError):
-    """A server of zoneq's (the SMTP receiver, the HTTP API) cannot listen where configured."""
+    """A server of zoneq's (the SMTP receiver, the HTTP API, the IPC socket for the workers)
+    cannot listen where configured."""
 
 
 class NotFound(ZoneqError):

@@ -35,7 +35,7 @@ import uvloop
 
 from zoneq.api.app import start_api
 from zoneq.config import Config
-from zoneq.errors import ListenError, StorageUnavailable
+from zoneq.errors import DataDirError, ListenError, StorageUnavailable
 from zoneq.ipc.core import QueueHandler
 from zoneq.ipc.intake_messages import (
     ConnectionCounts,
@@ -44,7 +44,7 @@ from zoneq.ipc.intake_messages import (
     ReceivedRecipient,
 )
 from zoneq.ipc.intake_server import IntakeServer
-from zoneq.ipc.server import IpcServer
+from zoneq.ipc.server import IpcServer, SocketInUse
 from zoneq.plugin import PluginHost
 from zoneq.queue.service import QueueService
 from zoneq.receiver.server import SmtpReceiver
@@ -58,18 +58,33 @@ log = logging.getLogger("zoneq")
 T = TypeVar("T")
 
 
+# Issue 7: a SIGTERM'd zoneq is gone within 30 s.  The workers' grace is most of that: a
+# delivery waiting for the reply to its final dot is let finish (RFC 5321 4.5.3.2.6 allows
+# the MX 10 minutes, so a slow one is killed and logged as a possible duplicate, RFC 1047).
+# What runs before and after it is quick (receivers answer 421 and abandon DATA in
+# progress; the IPC server and the store close in well under a second), so 20 s leaves
+# those 10 s of margin on a loaded machine.
+WORKER_GRACE_S = 20.0
+
+
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
 def open_store(config: Config) -> QueueStore:
-    store = QueueStore.open(
-        Path(config.server.data_dir),
-        sync_commits=config.storage.sync_commits,
-        chunk_size=config.storage.chunk_size,
-        min_free=int(config.storage.min_free),
-        reserve=int(config.storage.reserve),
-    )
+    """The queue at ``server.data_dir``, recovered; a directory that cannot be made or
+    opened is a start-up error naming the key (``DataDirError``), not a traceback."""
+    path = Path(config.server.data_dir)
+    try:
+        store = QueueStore.open(
+            path,
+            sync_commits=config.storage.sync_commits,
+            chunk_size=config.storage.chunk_size,
+            min_free=int(config.storage.min_free),
+            reserve=int(config.storage.reserve),
+        )
+    except StorageUnavailable as exc:
+        raise DataDirError(f"server.data_dir: {exc}") from None
     swept = store.recover()
     store.space.restore()
     if swept:
@@ -117,6 +132,9 @@ async def serve(config: Config, config_path: Path | None = None) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         # The handler only sets a flag; the work of stopping happens below (huey's rule).
         loop.add_signal_handler(signum, stop.set)
+    # SIGHUP's default action ends the process at once: no 421, no worker stop, no store
+    # close.  A closing terminal or ssh session sends it; zoneq has no reload to offer.
+    loop.add_signal_handler(signal.SIGHUP, _hangup_ignored)
     store = open_store(config)
     log.info("queue open at %s: %s", config.server.data_dir, describe(store))
     async with contextlib.AsyncExitStack() as running:
@@ -130,10 +148,15 @@ async def serve(config: Config, config_path: Path | None = None) -> None:
         service = QueueService.from_config(store, config, clock=now_ms, plugins=plugins)
         handler = QueueHandler(service, set(config.zones))
         server = IpcServer(Path(config.server.ipc_socket), handler)
-        await server.start()
+        try:
+            await server.start()
+        except SocketInUse as exc:
+            raise ListenError(f"server.ipc_socket {exc}") from None
         running.push_async_callback(server.close)
         supervisor = Supervisor(
-            {name: zone.processes for name, zone in config.zones.items()}, config_path
+            {name: zone.processes for name, zone in config.zones.items()},
+            config_path,
+            grace=WORKER_GRACE_S,
         )
         running.push_async_callback(supervisor.stop)
         promoter = asyncio.create_task(service.run(stop))
@@ -271,6 +294,12 @@ async def _listening(what: str, address: str, starting: Awaitable[T]) -> T:
         return await starting
     except OSError as exc:
         raise ListenError(f"{what} cannot listen on {address}: {exc.strerror or exc}") from None
+
+
+def _hangup_ignored() -> None:
+    log.warning(
+        "SIGHUP ignored: zoneq does not reload its configuration; restart it to apply changes"
+    )
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:

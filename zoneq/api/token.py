@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Final
 
@@ -37,8 +38,42 @@ def _read(path: Path, key: str) -> str:
     return token[0]
 
 
+def token_path(config: Config) -> tuple[Path, str] | None:
+    """The file the token is read from and the key that names it; None for ``api.token``."""
+    api = config.api
+    if api.token is not None:
+        return None
+    if api.token_file is not None:
+        return Path(api.token_file), "api.token_file"
+    return default_token_path(config), "api.token"
+
+
+def token_warning(config: Config) -> str | None:
+    """A warning when the token's file grants group or other read, else None.
+
+    Anyone who can read the token can delete and submit mail through the API.  A warning,
+    not a refusal like ssh's "UNPROTECTED PRIVATE KEY FILE": a token file shared on purpose
+    (a group of operators) must not stop the mail.
+    """
+    where = token_path(config)
+    if where is None:
+        return None
+    path, key = where
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None  # missing: ``find_token`` says so, or serve creates it 0600
+    if not mode & (stat.S_IRGRP | stat.S_IROTH):
+        return None
+    return (
+        f"{key}: {path} is readable by group or others (mode {stat.S_IMODE(mode):04o}); "
+        "anyone who reads it can use the API: chmod 600 it"
+    )
+
+
 def find_token(config: Config) -> str | None:
-    """The configured token, or the generated one if it exists; None if there is none yet."""
+    """The configured token, or the generated one if it exists; None if there is none yet.
+    The one read of the token that serve, check-config and the commands all use."""
     api = config.api
     if api.token is not None:
         return api.token
@@ -52,6 +87,8 @@ def ensure_token(config: Config) -> str:
     """``find_token``, generating and storing one at first start."""
     token = find_token(config)
     if token is not None:
+        if (warning := token_warning(config)) is not None:
+            log.warning("%s", warning)
         return token
     path = default_token_path(config)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -281,6 +281,9 @@ def main(config: Config, zone: str, name: str) -> int:
     """``zoneq worker``: :func:`run` on uvloop, as the core runs.  A worker's CPU goes mostly
     to the event loop's own work per socket event (two sockets per message: the MX and the
     core), which libuv does in C (tools/bench/delivery_bench.py)."""
+    # A worker follows the core's lifecycle: a hangup of the terminal reaches the whole
+    # process group, and the core, which ignores it (no reload), would lose its workers.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     return uvloop.run(run(config, zone, name))
 
 
@@ -289,9 +292,14 @@ async def run(config: Config, zone: str, name: str) -> int:
     # The send-time hooks run here, in the worker (a plugin that cannot load stops the
     # worker at start, with the reason, rather than failing every delivery).
     plugins = PluginHost.from_config(config)
-    client = await IpcClient.connect(
-        Path(config.server.ipc_socket), Hello(zone=zone, worker=name, pid=os.getpid())
-    )
+    try:
+        client = await IpcClient.connect(
+            Path(config.server.ipc_socket), Hello(zone=zone, worker=name, pid=os.getpid())
+        )
+    except ZoneqError as exc:  # no core listening, or it refused the hello: one line, exit 1
+        log.error("worker %s of zone %s: %s", name, zone, exc)
+        await plugins.close()
+        return 1
     worker = Worker(config, zone, client, plugins)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -889,6 +889,16 @@ class QueueService:
         ]
         for token in mine:
             lease = self._finish(token)
+            # A worker that stops cleanly reports every job it holds before it goes (even
+            # untried ones, as RETURNED), so a lease still held here went with a worker
+            # that was killed or crashed, maybe after the final dot (RFC 1047): log it.
+            log.warning(
+                "possible duplicate: %016x to %s via ? (worker %s went away with it in "
+                "hand); sent again",
+                lease.recipient.msg_id,
+                lease.recipient.address,
+                owner,
+            )
             # (Held instead, by the store, if its message was held meanwhile.)
             with contextlib.suppress(LeaseError):  # revoked meanwhile (dropped by an admin)
                 self._store.release(lease)

@@ -49,6 +49,9 @@ def main(
     config: Config, name: str, listen_fd: int, intake_fd: int, tls_listen_fd: int | None = None
 ) -> int:
     """On uvloop, as the core runs (most of a receiver's CPU is event-loop work)."""
+    # It follows the core's lifecycle: the core ignores SIGHUP (no reload), and a hangup of
+    # the terminal reaches the whole process group.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     return uvloop.run(run(config, name, listen_fd, intake_fd, tls_listen_fd))
 
 

@@ -55,7 +55,10 @@ class Database:
     # --- lifecycle ------------------------------------------------------------------------
 
     def open(self) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a parent that is a file, no permission, read-only
+            raise StorageUnavailable(f"cannot create {self.path}: {exc.strerror}") from exc
         try:
             self._db = plyvel.DB(os.fspath(self.path), **self._options)
         except plyvel.IOError as exc:
