@@ -8,8 +8,11 @@
 The signing domain is the domain of the From header (RFC 5322 section 3.6.2), since that
 is the one DMARC aligns with (RFC 7489 section 3.1.1); when From names no domain with a key,
 the envelope sender's domain is tried.  A message from a domain without a key goes out
-unsigned.  Keys are read once, at start-up: a missing or unreadable key stops zoneq there
-rather than failing every delivery later.
+unsigned.  Keys are read once, at start-up, and each signs a tiny message there: a missing,
+unreadable or unusable key (a file that holds no private key) stops zoneq there rather
+than failing every delivery later.  Domains are compared in their A-label form, so an
+internationalised domain (RFC 8616) matches whether the key or the From header spells it
+with U-labels or A-labels, and ``d=`` always carries the A-labels.
 
 dkimpy (the reference implementation in Python, with the verifier the tests use) needs the
 whole message; the body is read from the queue once per delivery for that, and the hashing
@@ -24,7 +27,7 @@ refused at DATA (552) before it is ever accepted.
 
 from __future__ import annotations
 
-from email.parser import BytesHeaderParser
+from email.parser import HeaderParser
 from email.policy import compat32
 from email.utils import getaddresses
 from pathlib import Path
@@ -35,7 +38,14 @@ from typing import Literal
 import dkim as dkimpy
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
-from zoneq.plugin import AddHeaders, Hook, OptionError, PluginApp, SenderHeadersArgs
+from zoneq.plugin import (
+    AddHeaders,
+    Hook,
+    OptionError,
+    PluginApp,
+    SenderHeadersArgs,
+    normal_domain,
+)
 
 # RFC 6376 section 5.4.1 lists these as the fields a signer should cover; From is required.
 DEFAULT_HEADERS = (
@@ -55,6 +65,9 @@ DEFAULT_HEADERS = (
     "List-Unsubscribe",
     "List-Unsubscribe-Post",
 )
+
+# Signed once per key at start-up, to prove the key file holds a key dkimpy can sign with.
+_PROBE = b"From: probe@invalid\r\nSubject: key check\r\n\r\nprobe\r\n"
 
 
 class DomainKey(BaseModel):
@@ -82,23 +95,35 @@ class Options(BaseModel):
 
 class Signer:
     def __init__(self, options: Options) -> None:
-        self.keys: dict[str, tuple[bytes, bytes]] = {}
-        faults: list[OptionError] = []
-        for domain, key in options.domains.items():
-            try:
-                self.keys[domain.lower().rstrip(".")] = (
-                    key.selector.encode(),
-                    key.key_file.read_bytes(),
-                )
-            except OSError as exc:
-                where = ("domains", domain, "key_file")
-                problem = f"cannot read key file {str(key.key_file)!r}: {exc.strerror or exc}"
-                faults.append(OptionError(where, problem))
-        if faults:  # every unreadable key at once, each naming its domain
-            raise ExceptionGroup("DKIM key files", faults)
         self.headers = [name.encode() for name in options.headers]
         header_c, body_c = options.canonicalization.split("/")
         self.canonicalize = (header_c.encode(), body_c.encode())
+        # Keyed by the A-label form (RFC 5890): a key configured under "bücher.example"
+        # and one under "xn--bcher-kva.example" name the same domain, as do the From
+        # addresses that use either form.
+        self.keys: dict[str, tuple[bytes, bytes]] = {}
+        faults: list[OptionError] = []
+        for domain, key in options.domains.items():
+            name = _normal(domain)
+            where = ("domains", domain, "key_file")
+            try:
+                entry = (key.selector.encode(), key.key_file.read_bytes())
+            except OSError as exc:
+                problem = f"cannot read key file {str(key.key_file)!r}: {exc.strerror or exc}"
+                faults.append(OptionError(where, problem))
+                continue
+            self.keys[name] = entry
+            try:
+                # A file that reads but holds no usable private key would otherwise pass
+                # start-up and fail every signing, deferring the domain's mail until it
+                # expires: sign a tiny message now, exactly as a delivery would.
+                self.sign(_PROBE, name)
+            except dkimpy.DKIMException as exc:
+                del self.keys[name]
+                problem = f"key file {str(key.key_file)!r} holds no usable private key: {exc}"
+                faults.append(OptionError(where, problem))
+        if faults:  # every bad key at once, each naming its domain
+            raise ExceptionGroup("DKIM key files", faults)
 
     def domain_for(self, headers: bytes, sender: str) -> str | None:
         for candidate in (*_from_domains(headers), _domain(sender)):
@@ -120,15 +145,25 @@ class Signer:
         return signature
 
 
+def _normal(domain: str) -> str:
+    """The A-label form, lower-case, without the root's dot: how keys are looked up, and
+    the ``d=`` a signature carries (RFC 6376 section 3.5 allows only ASCII there; RFC 8616
+    section 4 has a signer use the A-labels of an internationalised domain)."""
+    return normal_domain(domain).rstrip(".")
+
+
 def _domain(address: str) -> str | None:
     _local, at, domain = address.rpartition("@")
-    return domain.lower().rstrip(".") if at and domain else None
+    return _normal(domain) if at and domain else None
 
 
 def _from_domains(headers: bytes) -> list[str | None]:
     # The standard library's parser unfolds and decodes header fields; compat32 gives the
-    # raw strings getaddresses expects.
-    parsed = BytesHeaderParser(policy=compat32).parsebytes(headers)
+    # raw strings getaddresses expects.  Header fields are UTF-8 in an internationalised
+    # message (RFC 6532 section 3.2): decoded as such, a U-label From domain stays itself
+    # (BytesHeaderParser would turn each non-ASCII byte into an unmatchable surrogate).
+    text = headers.decode("utf-8", "surrogateescape")
+    parsed = HeaderParser(policy=compat32).parsestr(text)
     values = [str(value) for value in parsed.get_all("From", [])]
     return [_domain(address) for _name, address in getaddresses(values)]
 

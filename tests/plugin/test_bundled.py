@@ -96,6 +96,78 @@ def test_dkim_missing_key_file_stops_start_up(tmp_path: Path) -> None:
     assert "No such file" in info.value.problem
 
 
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"not a key\n", "truncated", "public"],
+    ids=["empty", "text", "truncated-pem", "public-key"],
+)
+def test_dkim_key_file_without_a_private_key_stops_start_up(
+    tmp_path: Path, rsa_key: tuple[bytes, bytes], content: bytes | str
+) -> None:
+    """A key file that reads but cannot sign fails at start-up (and in check-config), not
+    at every delivery of the domain's mail."""
+    private, txt = rsa_key
+    if content == "truncated":
+        content = private[: len(private) // 2]
+    elif content == "public":
+        der = base64.b64encode(base64.b64decode(txt.partition(b"p=")[2]))
+        content = b"-----BEGIN PUBLIC KEY-----\n" + der + b"\n-----END PUBLIC KEY-----\n"
+    assert isinstance(content, bytes)
+    key_file = tmp_path / "not-a-key.pem"
+    key_file.write_bytes(content)
+    options = {"domains": {"Shop.Example": {"selector": "s1", "key_file": str(key_file)}}}
+    with pytest.raises(ConfigError) as info:
+        host_with({"dkim": {"module": BUNDLED / "dkim.py", "options": options}})
+    assert info.value.key == 'plugins.dkim.options.domains."Shop.Example".key_file'
+    assert "no usable private key" in info.value.problem and str(key_file) in info.value.problem
+
+
+def test_dkim_reports_every_bad_key_at_once(tmp_path: Path, rsa_key: tuple[bytes, bytes]) -> None:
+    good, bad = tmp_path / "good.pem", tmp_path / "bad.pem"
+    good.write_bytes(rsa_key[0])
+    bad.write_bytes(b"not a key\n")
+    options = {
+        "domains": {
+            "a.example": {"selector": "s1", "key_file": str(bad)},
+            "b.example": {"selector": "s1", "key_file": str(tmp_path / "missing.pem")},
+            "c.example": {"selector": "s1", "key_file": str(good)},
+        }
+    }
+    with pytest.raises(InvalidConfig) as info:
+        host_with({"dkim": {"module": BUNDLED / "dkim.py", "options": options}})
+    keys = {p.key for p in info.value.problems}
+    assert keys == {
+        'plugins.dkim.options.domains."a.example".key_file',
+        'plugins.dkim.options.domains."b.example".key_file',
+    }
+
+
+@pytest.mark.parametrize(
+    "key_domain", ["xn--bcher-kva.example", "bücher.example", "BÜCHER.example."]
+)
+@pytest.mark.parametrize(
+    "from_domain", ["xn--bcher-kva.example", "bücher.example", "Bücher.Example"]
+)
+def test_dkim_matches_idn_domains_in_either_form_and_signs_the_a_label(
+    tmp_path: Path, rsa_key: tuple[bytes, bytes], key_domain: str, from_domain: str
+) -> None:
+    """RFC 8616 section 4: ``d=`` carries the A-labels; a key under either form signs a
+    From in either form (both name one domain)."""
+    private, txt = rsa_key
+    host = dkim_host(tmp_path, private, domain=key_domain)
+    message = MESSAGE.replace(b"news@shop.example", f"news@{from_domain}".encode())
+    result = asyncio.run(host.call(Hook.SENDER_HEADERS, sender_args(message)))
+    assert len(result.headers) == 1
+    assert result.headers[0].isascii()
+    tags = {t.strip().partition(b"=")[0]: t.strip() for t in result.headers[0].split(b";")}
+    assert tags[b"d"] == b"d=xn--bcher-kva.example"
+
+    def dns(name: bytes, timeout: int = 5) -> bytes:
+        return txt if name == b"s1._domainkey.xn--bcher-kva.example." else b""
+
+    assert dkim.verify(result.headers[0] + message, dnsfunc=dns)
+
+
 def test_dkim_bad_option_names_its_key() -> None:
     options = {"domains": {"shop.example": {"selector": "s1", "keyfile": "x"}}}
     with pytest.raises(InvalidConfig) as info:
