@@ -15,14 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.api.conftest import TOKEN, Api, api_running, async_test
+from tests.api.conftest import T0, TOKEN, Api, api_running, async_test
 from tests.api.test_submit import BASE, RAW, nothing_stored, raw, source_of
 from tests.api.test_suppression_serve import REFUSED as SUPPRESSED
 from tests.storage.conftest import StoreFactory
 from tests.support.plugins import BUNDLED, write_plugin
 from zoneq.config import Config, validate_config
+from zoneq.errors import TemporaryFailure
 from zoneq.plugin import PluginHost
 from zoneq.protocol.events import EventKind
+from zoneq.queue.consults import RoutingTooSlow
+from zoneq.queue.intake import Envelope, Intake
 from zoneq.storage.store import QueueStore
 
 pytestmark = pytest.mark.integration
@@ -39,6 +42,8 @@ def init(app):
             return Reply(451, ("Greylisted",), EnhancedStatus(4, 7, 1))
         if local == "raise":
             raise RuntimeError("plugin bug")
+        if local.startswith("bulk-"):
+            return "bulk"  # the suppression plugin, next in the chain, judges bulk's list
         return None
 
     app.add_hook(Hook.QUEUE_ROUTE, route)
@@ -128,6 +133,10 @@ async def test_suppression_drops_are_events(store: QueueStore, tmp_path: Path) -
         assert (status, body["recipients"]) == (200, [])
         assert len(dropped(store)) == 2
         assert store.message_count() == 1
+        # Moved to bulk by the plugin before it in the chain: dropped (and counted) there.
+        status, body = await raw(api, RAW, "?from=a@src.test&to=bulk-sup@ok.test&to=c@ok.test")
+        assert (status, body["zones"], body["refused"]) == (201, ["default"], [])
+        assert dropped(store)[-1] == ("bulk-sup@ok.test", "bulk", "suppressed in zone bulk")
 
 
 @pytest.mark.parametrize(
@@ -154,3 +163,54 @@ async def test_all_refused_or_a_failing_plugin_stores_nothing(
         await store.drain()
         assert nothing_stored(store)
         assert dropped(store) == []
+
+
+SLOW_ROUTE = """
+import asyncio
+
+from zoneq.plugin import Hook
+
+
+def init(app):
+    async def route(args):
+        await asyncio.sleep(0.2)  # well under its 1 s limit
+        return None
+
+    app.add_hook(Hook.QUEUE_ROUTE, route)
+"""
+
+
+@pytest.mark.parametrize(("deadline_s", "stored"), [(0.3, False), (10.0, True)])
+@async_test
+async def test_routing_past_its_deadline_is_a_temporary_failure_and_stores_nothing(
+    store: QueueStore, tmp_path: Path, deadline_s: float, stored: bool
+) -> None:
+    """12 recipients at 0.2 s each, asked 4 at a time: 0.6 s in all.  Past the deadline
+    the submission fails as temporary (503 over the API) and leaves nothing behind."""
+    module = write_plugin(tmp_path, "slow_route", SLOW_ROUTE)
+    cfg = validate_config(
+        {
+            "server": {"hostname": "mx.zoneq.test"},
+            "zones": {"default": {}, "bounces": {}},
+            "plugins": {"slow_route": {"module": str(module), "timeout": "1s"}},
+        }
+    )
+    plugins = PluginHost.from_config(cfg)
+    intake = Intake(store, cfg, clock=lambda: T0, plugins=plugins, route_deadline_s=deadline_s)
+    envelope = Envelope("a@src.test", tuple(f"r{i}@ok.test" for i in range(12)))
+
+    async def body() -> AsyncIterator[bytes]:
+        yield RAW
+
+    try:
+        if stored:
+            receipt = await intake.receive(body(), envelope, source={"client": "127.0.0.1"})
+            assert len(receipt.recipients) == 12
+        else:
+            with pytest.raises(RoutingTooSlow) as info:
+                await intake.receive(body(), envelope, source={"client": "127.0.0.1"})
+            assert isinstance(info.value, TemporaryFailure)
+            await store.drain()
+            assert nothing_stored(store)
+    finally:
+        await plugins.close()

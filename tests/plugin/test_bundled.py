@@ -217,7 +217,7 @@ def test_suppressed_recipient_is_refused_in_its_zone(
 def test_suppressed_recipient_is_dropped_when_configured(tmp_path: Path) -> None:
     router = suppression_router(tmp_path, "drop", {"bulk": ["x@bulk.test"]})
     result = asyncio.run(router.route("x@bulk.test", sender="a@src.test"))
-    assert result == Drop("suppressed in zone bulk")
+    assert result == Drop("suppressed in zone bulk", zone="bulk")
 
 
 def test_suppression_list_is_reread_when_the_file_changes(tmp_path: Path) -> None:

@@ -14,8 +14,10 @@ from zoneq.errors import ConfigError, TemporaryFailure
 from zoneq.plugin import (
     SPECS,
     AddHeaders,
+    Drop,
     Fault,
     Hook,
+    HookResult,
     MailFromArgs,
     OutcomeArgs,
     PluginFailure,
@@ -24,6 +26,7 @@ from zoneq.plugin import (
     Session,
 )
 from zoneq.plugin.hooks import Mode
+from zoneq.plugin.threads import THREADS_PER_PLUGIN
 from zoneq.protocol.replies import LOCAL_ERROR
 
 SESSION = Session("127.0.0.1", helo="client.test", trusted=True)
@@ -110,6 +113,29 @@ def test_a_hanging_plugin_times_out_within_its_limit(tmp_path: Path, body: str) 
     assert ticks >= 5  # the loop kept running while the plugin hung
 
 
+def test_the_time_limit_counts_from_when_the_handler_starts_not_the_queue(
+    tmp_path: Path,
+) -> None:
+    """Three times as many calls as the plugin has threads, each 0.4 s of a 1 s limit: the
+    last ones wait 0.8 s for a thread and then run 0.4 s.  Not one of them hung, so none
+    may fail (they would at 1.0 s if the limit counted the wait)."""
+    module = write_plugin(tmp_path, "slow", rcpt_plugin("time.sleep(0.4)", is_async=False))
+    host = host_with({"slow": {"module": module, "timeout": "1s"}})
+    calls = 3 * THREADS_PER_PLUGIN
+
+    async def run() -> tuple[list[object], float]:
+        started = time.monotonic()
+        gathered = asyncio.gather(*(host.call(Hook.SMTP_RCPT_TO, RCPT) for _ in range(calls)))
+        results = await asyncio.wait_for(gathered, 10)
+        elapsed = time.monotonic() - started
+        await host.close()
+        return results, elapsed
+
+    results, elapsed = asyncio.run(run())
+    assert [r.reply for r in results if isinstance(r, HookResult)] == [None] * calls
+    assert elapsed >= 1.15  # the waves really queued: past the limit from the first call
+
+
 def test_a_plugin_reply_rejects_and_later_plugins_are_not_asked(tmp_path: Path) -> None:
     first = write_plugin(
         tmp_path,
@@ -163,6 +189,40 @@ def test_route_chain_each_plugin_sees_the_zone_chosen_before_it(tmp_path: Path) 
     host = host_with({"a": {"module": a}, "b": {"module": b}})
     result = asyncio.run(host.call(Hook.QUEUE_ROUTE, ROUTE))
     assert (result.zone, result.plugin) == ("tx", "b")
+
+
+@pytest.mark.parametrize(
+    ("chain", "zone"),
+    [
+        ((), "default"),  # dropped where the rules put it
+        (("bulk",), "bulk"),  # where the plugin before it moved it
+        (("bulk", "tx"), "tx"),
+    ],
+)
+def test_a_drop_keeps_the_zone_the_chain_had_reached(
+    tmp_path: Path, chain: tuple[str, ...], zone: str
+) -> None:
+    """The DROPPED event is counted in the zone the recipient was in when dropped; a zone
+    the dropping plugin names itself is not believed."""
+    plugins: dict[str, dict[str, object]] = {}
+    for index, moved_to in enumerate(chain):
+        source = f"""
+        from zoneq.plugin import Hook
+
+        def init(app):
+            app.add_hook(Hook.QUEUE_ROUTE, lambda args: {moved_to!r})
+        """
+        plugins[f"mover{index}"] = {"module": write_plugin(tmp_path, f"mover{index}", source)}
+    dropper = """
+    from zoneq.plugin import Drop, Hook
+
+    def init(app):
+        app.add_hook(Hook.QUEUE_ROUTE, lambda args: Drop(f"gone from {args.zone}", zone="bounces"))
+    """
+    plugins["dropper"] = {"module": write_plugin(tmp_path, "dropper", dropper)}
+    result = asyncio.run(host_with(plugins).call(Hook.QUEUE_ROUTE, ROUTE))
+    assert result.drop == Drop(f"gone from {zone}", zone=zone)
+    assert result.plugin == "dropper"
 
 
 def test_route_to_an_undefined_zone_is_garbage(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from tests.receiver.harness import MESSAGE, Raw, queued_id, run
 from tests.support.plugins import ZONES, hanging_plugins, host_with
 from zoneq.plugin import Fault, Hook, MailFromArgs, PluginFailure, RcptToArgs, Session
 from zoneq.plugin.threads import THREADS_PER_PLUGIN
+from zoneq.protocol.replies import LOCAL_ERROR
 from zoneq.receiver import SmtpReceiver
 from zoneq.receiver.passwords import hash_password
 from zoneq.storage.store import QueueStore
@@ -50,10 +51,13 @@ def test_hung_handlers_use_up_only_their_plugins_threads(tmp_path: Path) -> None
 
     async def main() -> None:
         # More hung calls at once than the plugin has threads: the extra ones wait in its
-        # queue, are cancelled at the time limit and never run.
+        # queue for as long as the time limit, are cancelled and never run; they fail as
+        # BUSY (no thread came free), not as hangs of their own.
         calls = [host.call(Hook.SMTP_RCPT_TO, HANG) for _ in range(THREADS_PER_PLUGIN + 2)]
         results = await asyncio.gather(*calls, return_exceptions=True)
-        assert [getattr(r, "fault", r) for r in results] == [Fault.TIMED_OUT] * len(calls)
+        faults = [getattr(r, "fault", r) for r in results]
+        assert faults == [Fault.TIMED_OUT] * THREADS_PER_PLUGIN + [Fault.BUSY] * 2
+        assert all(r.reply == LOCAL_ERROR for r in results if isinstance(r, PluginFailure))
         assert len((tmp_path / "hung").read_text().splitlines()) == THREADS_PER_PLUGIN
 
         started = time.monotonic()

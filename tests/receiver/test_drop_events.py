@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,15 @@ from zoneq.ipc.intake_messages import DroppedRecipient, ReceivedRecipient
 from zoneq.plugin import PluginHost
 from zoneq.plugin.hooks import Session
 from zoneq.protocol.ids import format_id
+from zoneq.protocol.replies import LOCAL_ERROR
+from zoneq.queue.consults import CONCURRENCY
 from zoneq.receiver import SmtpReceiver
 from zoneq.receiver.hooks import ReceiveHooks, Routed
 from zoneq.storage.store import QueueStore
 
 RULES: list[dict[str, Any]] = [{"zone": "tx", "recipient_domain": [".tx.test"]}]
+# Rules put c.test in bulk, so a routing header naming "default" moves (and re-checks) them.
+RULES_TO_BULK: list[dict[str, Any]] = [{"zone": "bulk", "recipient_domain": ["c.test"]}]
 
 PLUGIN = """
 from zoneq.plugin import Drop, EnhancedStatus, Hook, Reply
@@ -184,6 +189,148 @@ def test_header_recheck_may_move_on_and_a_failing_plugin_is_451(tmp_path: Path) 
         assert len(store.browse("bulk")[0]) == 1  # the first message's only
 
     run(tmp_path, body, sections=drop_plugin(tmp_path))
+
+
+# --- a chain of queue:route plugins: the drop is counted where the chain had got to ------
+
+MOVER = """
+from zoneq.plugin import Hook
+
+
+def init(app):
+    async def route(args):
+        # At the re-check only: move "moved-" recipients on from the header's zone.
+        if args.rule == "header" and args.recipient.startswith("moved-"):
+            return "tx"
+        return None
+
+    app.add_hook(Hook.QUEUE_ROUTE, route)
+"""
+
+
+def chain(tmp_path: Path) -> dict[str, Any]:
+    """rules_router (b.test to bulk), a mover (at the header re-check, to tx), then the
+    suppression list dropping what is listed in the zone the chain reached."""
+    listed = tmp_path / "suppressed.json"
+    listed.write_text(json.dumps({"bulk": ["sup@b.test"], "tx": ["moved-sup@c.test"]}))
+    plugins = {
+        "rules_router": {
+            "module": str(BUNDLED / "rules_router.py"),
+            "options": {"rules": [{"recipient": "*@b.test", "zone": "bulk"}]},
+        },
+        "mover": {"module": str(write_plugin(tmp_path, "mover", MOVER))},
+        "suppression": {
+            "module": str(BUNDLED / "suppression.py"),
+            "options": {"file": str(listed), "action": "drop"},
+        },
+    }
+    return {"zones": ZONES, "plugins": plugins}
+
+
+def test_a_drop_at_rcpt_is_counted_in_the_zone_an_earlier_plugin_chose(tmp_path: Path) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        reply = await send(rx.port, "c@d.test", ["sup@b.test", "ok@b.test"])
+        assert zones_of(store, reply) == {"ok@b.test": "bulk"}
+        events = [(e.recipient, e.zone, e.text) for e in dropped_events(store)]
+        assert events == [("sup@b.test", "bulk", "suppressed in zone bulk")]
+
+    run(tmp_path, body, sections=chain(tmp_path))
+
+
+def test_a_drop_at_the_header_recheck_is_counted_where_the_chain_moved_it(tmp_path: Path) -> None:
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        header = with_header(b"X-Sending-Zone: default")
+        rcpts = ["moved-sup@c.test", "moved-ok@c.test"]
+        reply = await send(rx.port, "c@d.test", ["a@c.test", *rcpts], text=header)
+        assert zones_of(store, reply) == {"a@c.test": "default", "moved-ok@c.test": "tx"}
+        events = [(e.recipient, e.zone, e.text) for e in dropped_events(store)]
+        assert events == [("moved-sup@c.test", "tx", "suppressed in zone tx")]
+
+    run(tmp_path, body, sections={**chain(tmp_path), "routing": {"rules": RULES_TO_BULK}})
+
+
+# --- the re-check asks side by side, under one deadline ------------------------------------
+
+SLOW = """
+import asyncio
+import json
+from pathlib import Path
+
+from zoneq.plugin import Hook
+
+running = 0  # this module's calls in progress: the plugin runs in the receiver's process
+
+
+def init(app):
+    seen = Path(app.options["seen"])
+
+    async def route(args):
+        global running
+        if args.rule != "header":
+            return None
+        running += 1
+        try:
+            with seen.open("a") as out:
+                out.write(json.dumps(running) + "\\n")
+            await asyncio.sleep(float(app.options["delay"]))  # well under the 1 s limit
+        finally:
+            running -= 1
+        return None
+
+    app.add_hook(Hook.QUEUE_ROUTE, route)
+"""
+
+
+def slow_route(tmp_path: Path, delay: float) -> dict[str, Any]:
+    module = write_plugin(tmp_path, "slow_route", SLOW)
+    options = {"seen": str(tmp_path / "seen.jsonl"), "delay": delay}
+    plugins = {"slow_route": {"module": str(module), "timeout": "1s", "options": options}}
+    return {"zones": ZONES, "plugins": plugins}
+
+
+def test_the_header_recheck_asks_for_several_recipients_at_once(tmp_path: Path) -> None:
+    """Through the real receiver: 3 x CONCURRENCY recipients, 0.1 s each, answered at the
+    dot with never more than CONCURRENCY calls running at once, and at times that many."""
+    rcpts = [f"r{i}@b.test" for i in range(3 * CONCURRENCY)]
+
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        reply = await send(rx.port, "c@d.test", rcpts, text=with_header(b"X-Sending-Zone: bulk"))
+        assert set(zones_of(store, reply).values()) == {"bulk"}
+        running = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().split()]
+        assert len(running) == len(rcpts)
+        assert max(running) == CONCURRENCY
+
+    run(tmp_path, body, sections=slow_route(tmp_path, 0.1))
+
+
+def test_the_header_recheck_past_its_deadline_is_451_for_the_message(tmp_path: Path) -> None:
+    """Each call well inside the plugin's limit, but 12 recipients take longer together
+    than the re-check's deadline: 451 4.3.0, nothing queued (the client tries again)."""
+    routed = [Routed(ReceivedRecipient(f"r{i}@b.test", "default"), "default") for i in range(12)]
+
+    async def message(deadline_s: float) -> object:
+        config = Config.model_validate({**slow_route(tmp_path, 0.2), "server": {"hostname": "mx"}})
+        plugins = PluginHost.from_config(config)
+        hooks = ReceiveHooks(config, plugins, recheck_deadline_s=deadline_s)
+        try:
+            return await hooks.message(
+                lambda: Session("127.0.0.1", "client.test", None, True),
+                sender="c@d.test",
+                routed=routed,
+                dropped=(),
+                fields=[("X-Sending-Zone", "bulk")],
+                trusted=True,
+            )
+        finally:
+            await plugins.close()
+
+    async def body() -> None:
+        # 12 at 4 at a time: 0.6 s.  A deadline of 0.3 s is passed, one of 10 s is not.
+        assert await message(0.3) == LOCAL_ERROR
+        moved = [replace(r.recipient, zone="bulk") for r in routed]
+        assert await message(10) == (moved, ())
+
+    asyncio.run(asyncio.wait_for(body(), 30))
 
 
 # --- ReceiveHooks.message itself: an untrusted header changes nothing -------------------

@@ -27,6 +27,7 @@ from zoneq.api.mime import build
 from zoneq.api.models import Queued, RefusedRecipient, Submission
 from zoneq.plugin import PluginFailure
 from zoneq.protocol.ids import format_id
+from zoneq.queue.consults import RoutingTooSlow
 from zoneq.queue.intake import Envelope, Receipt, Refused
 
 log = logging.getLogger("zoneq.api")
@@ -84,6 +85,12 @@ async def _queue(
         # Ours and temporary, like SMTP's 451 4.3.0; the details are for the log only.
         log.error("%s %s: %s", request.method, request.path, exc)
         text = "a routing plugin failed (local, temporary): nothing was stored, try again later"
+        return error_response(503, text, {"Retry-After": RETRY_AFTER_S})
+    except RoutingTooSlow as exc:
+        # No plugin hung, there were too many recipients for the routing deadline: as
+        # temporary as a plugin's failure, and not the storage fault the generic 503 names.
+        log.error("%s %s: %s", request.method, request.path, exc)
+        text = "routing the recipients took too long (local, temporary): nothing was stored"
         return error_response(503, text, {"Retry-After": RETRY_AFTER_S})
     return _created(receipt)
 

@@ -17,6 +17,9 @@ class Fault(enum.StrEnum):
     GARBAGE = "returned garbage"
     STUCK = "is stuck"
     """Every thread of the plugin is held by a call past its time limit: failed at once."""
+    BUSY = "is busy"
+    """Every thread of the plugin stayed busy with other calls for as long as the time
+    limit: this call never ran (it did not hang; the plugin is short of threads)."""
 
 
 class PluginFailure(TemporaryFailure):

@@ -207,6 +207,10 @@ class Drop:
     """Accept the recipient but do not deliver; an event records ``reason``."""
 
     reason: str
+    zone: str | None = None
+    """The zone the recipient was in when dropped, where its DROPPED event is counted: the
+    host sets it (the rules' zone, or the one a plugin earlier in the ``queue:route`` chain
+    chose); whatever a plugin puts here is replaced."""
 
 
 # --- the table ------------------------------------------------------------------------------

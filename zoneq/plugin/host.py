@@ -9,6 +9,13 @@ until it returns by itself (Python has no way to kill a thread); when all of a p
 threads are held so, its next calls fail at once (``Fault.STUCK``) rather than queue, and
 nothing else in zoneq is short of a thread.
 
+A plain handler's time limit counts from when it starts running on one of those threads,
+not from the call: under a burst, calls wait for a thread, and a call that waited is not a
+hang.  The wait has its own bound, the same figure: a call that got no thread within it
+never runs and fails as ``Fault.BUSY`` (451 4.3.0 too).  So a call takes at most twice its
+plugin's limit, well inside any SMTP client's command timeouts (RFC 5321 section
+4.5.3.2: minutes).
+
 Isolation (issue 5): whatever a handler does, ``call`` either returns a ``HookResult`` or
 raises ``PluginFailure``; the callers turn that into 451 4.3.0 at receive time and a logged
 deferral at send time.  ``notify`` (outcome hooks) never raises.
@@ -17,6 +24,7 @@ deferral at send time.  ``notify`` (outcome hooks) never raises.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 from collections.abc import Collection
@@ -27,7 +35,7 @@ from zoneq.config.model import Config
 from zoneq.plugin.app import Handler, PluginApp
 from zoneq.plugin.check import close_app, initialise
 from zoneq.plugin.errors import Fault, PluginFailure
-from zoneq.plugin.hooks import SPECS, AddHeaders, Drop, Hook, Mode
+from zoneq.plugin.hooks import SPECS, AddHeaders, Drop, Hook, Mode, RouteArgs
 from zoneq.protocol.replies import Reply
 
 __all__ = ["Handler", "HookResult", "PluginApp", "PluginHost"]
@@ -113,6 +121,11 @@ class PluginHost:
                 args = replace(args, zone=result, rule=f"plugin:{entry.plugin}")  # type: ignore[type-var]
                 chosen = HookResult(zone=result, plugin=entry.plugin)
                 continue
+            if isinstance(result, Drop):
+                # Dropped where the chain had placed it, not where the rules had: the
+                # DROPPED event's zone is what per-zone analytics count.
+                assert isinstance(args, RouteArgs)  # the only hook that allows a Drop
+                result = replace(result, zone=args.zone)
             return _decision(result, entry.plugin, tuple(headers))
         return replace(chosen, headers=tuple(headers))
 
@@ -135,8 +148,7 @@ class PluginHost:
 
     async def _invoke(self, hook: Hook, entry: _Registered, args: object) -> object:
         try:
-            async with asyncio.timeout(entry.timeout_s):
-                result = await _run(hook, entry, args)
+            result = await _run(hook, entry, args)
         except TimeoutError:
             raise PluginFailure(
                 entry.plugin, hook, Fault.TIMED_OUT, f"no answer within {entry.timeout_s:g}s"
@@ -170,9 +182,11 @@ class PluginHost:
 
 
 async def _run(hook: Hook, entry: _Registered, args: object) -> object:
+    """The handler's answer; ``TimeoutError`` when it ran past its time limit."""
     handler = entry.handler
     if inspect.iscoroutinefunction(handler):
-        result: object = await handler(args)
+        async with asyncio.timeout(entry.timeout_s):
+            result: object = await handler(args)
         return result
     threads = entry.app.threads
     if threads.stuck_full:
@@ -180,15 +194,43 @@ async def _run(hook: Hook, entry: _Registered, args: object) -> object:
         # now answers the client at once (451) and keeps the plugin's backlog at zero.
         detail = f"{threads.stuck} calls still running past their time limit"
         raise PluginFailure(entry.plugin, hook, Fault.STUCK, detail)
-    future = threads.submit(handler, args)
+    loop = asyncio.get_running_loop()
+    begun: asyncio.Future[float] = loop.create_future()
+
+    def started() -> None:  # on the plugin's thread, just before the handler runs
+        # loop.time() is time.monotonic(), safe from any thread.
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            loop.call_soon_threadsafe(_settle, begun, loop.time())
+
+    future = threads.submit(handler, args, started=started)
     try:
-        result = await asyncio.wrap_future(future)
-    except asyncio.CancelledError:  # the time limit (or the caller) gave up on it
-        threads.abandoned(future)
+        # The time limit is the handler's: measured from when it starts running, so a
+        # burst of calls queued for the plugin's threads is not blamed as hangs.  The wait
+        # for a thread has a bound of its own (the same figure) and a truthful fault.
+        try:
+            async with asyncio.timeout(entry.timeout_s):
+                start = await asyncio.shield(begun)
+        except TimeoutError:
+            if future.cancel():  # still queued: it never runs
+                detail = (
+                    f"none of its {threads.size} threads was free within "
+                    f"{entry.timeout_s:g}s (the call never ran)"
+                )
+                raise PluginFailure(entry.plugin, hook, Fault.BUSY, detail) from None
+            start = begun.result() if begun.done() else loop.time()  # just started
+        async with asyncio.timeout_at(start + entry.timeout_s):
+            result = await asyncio.wrap_future(future)
+            if inspect.isawaitable(result):  # a plain callable that returned a coroutine
+                result = await result
+    except (asyncio.CancelledError, TimeoutError):  # the limit (or the caller) gave up
+        threads.abandoned(future)  # nothing to do if it never ran or has returned
         raise
-    if inspect.isawaitable(result):  # a plain callable that returned a coroutine
-        return await result
     return result
+
+
+def _settle(begun: asyncio.Future[float], when: float) -> None:
+    if not begun.done():
+        begun.set_result(when)
 
 
 def _decision(result: object, plugin: str, headers: tuple[bytes, ...]) -> HookResult:

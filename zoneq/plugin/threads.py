@@ -31,7 +31,8 @@ THREADS_PER_PLUGIN: Final = 4
 """Threads each plugin gets for its plain handlers; a plugin that needs more concurrency
 for blocking work should make that work faster or use ``async def`` with its own limits."""
 
-_Item = tuple["concurrent.futures.Future[Any]", Callable[..., Any], tuple[Any, ...]]
+_Started = Callable[[], None] | None
+_Item = tuple["concurrent.futures.Future[Any]", Callable[..., Any], tuple[Any, ...], _Started]
 
 
 class PluginThreads:
@@ -58,15 +59,19 @@ class PluginThreads:
         """Whether every thread is held by a stuck call (a new call would only queue)."""
         return self._stuck >= self.size
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
-        """Run ``fn(*args)`` on one of this plugin's threads."""
+    def submit(
+        self, fn: Callable[..., Any], *args: Any, started: _Started = None
+    ) -> concurrent.futures.Future[Any]:
+        """Run ``fn(*args)`` on one of this plugin's threads.  ``started``, if given, is
+        called on that thread just before ``fn`` (not at all for a call cancelled while it
+        waited): the host's time limit counts from then, not from the submission."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"plugin {self.plugin!r}: its threads are stopped")
             if not self._threads:
                 self._start()
-        self._queue.put((future, fn, args))
+        self._queue.put((future, fn, args, started))
         return future
 
     def abandoned(self, future: concurrent.futures.Future[Any]) -> None:
@@ -104,10 +109,12 @@ class PluginThreads:
             item = self._queue.get()
             if item is None:
                 return
-            future, fn, args = item
+            future, fn, args, started = item
             if not future.set_running_or_notify_cancel():
                 continue  # cancelled while it waited: its caller already gave up
             try:
+                if started is not None:
+                    started()
                 result = fn(*args)
             # BaseException, as concurrent.futures does: a handler's SystemExit or
             # KeyboardInterrupt becomes that call's failure, not the end of the thread.

@@ -54,6 +54,7 @@ from zoneq.errors import ZoneqError
 from zoneq.plugin import Drop, PluginHost
 from zoneq.protocol.relay_addresses import is_percent_hack
 from zoneq.protocol.replies import Reply
+from zoneq.queue.consults import ROUTE_DEADLINE_S, consult_all
 from zoneq.queue.rawtext import CrlfLines, HeaderSection, SectionTooLong
 from zoneq.queue.routing import Route, Router
 from zoneq.storage.records import MessageMeta, NewRecipient
@@ -349,8 +350,10 @@ class Intake:
         *,
         clock: Callable[[], int],
         plugins: PluginHost | None = None,
+        route_deadline_s: float = ROUTE_DEADLINE_S,
     ) -> None:
         self.store = store
+        self.route_deadline_s = route_deadline_s
         self.config = config
         self.clock = clock
         self.max_size = int(config.receiver.max_message_size)
@@ -431,22 +434,33 @@ class Intake:
     async def _route(self, envelope: Envelope, fields: Message, source: dict[str, str]) -> _Routed:
         """Every recipient through the rules and the ``queue:route`` plugins (see the module
         docstring).  Raises ``Refused`` when all were refused, ``PluginFailure`` when a
-        plugin misbehaves."""
+        plugin misbehaves, ``RoutingTooSlow`` when the plugins took too long for them all."""
         header = fields.get(self.zone_header)
         zone_header = None if header is None else str(header)
         client_ip = source.get("client")
         sender = envelope.sender
         routed = _Routed()
-        for rcpt in envelope.recipients:
-            rules = self.router.decide(
-                rcpt, sender=sender, client_ip=client_ip, trusted=True, zone_header=zone_header
+        asks = [
+            (
+                rcpt,
+                self.router.decide(
+                    rcpt, sender=sender, client_ip=client_ip, trusted=True, zone_header=zone_header
+                ),
             )
-            # No SMTP session: RouteArgs.session is None for mail from the API.
-            verdict = await self.router.consult(rcpt, rules, sender=sender)
+            for rcpt in envelope.recipients
+        ]
+        # Side by side under one deadline (zoneq.queue.consults); no SMTP session: the
+        # plugins see RouteArgs.session None for mail from the API.
+        verdicts = await consult_all(
+            self.router, asks, sender=sender, deadline_s=self.route_deadline_s
+        )
+        for (rcpt, rules), verdict in zip(asks, verdicts, strict=True):
             if isinstance(verdict, Route):
                 routed.queued.append(NewRecipient(rcpt, verdict.zone))
             elif isinstance(verdict, Drop):
-                routed.dropped.append(DroppedRecipient(rcpt, rules.zone, verdict.reason))
+                routed.dropped.append(
+                    DroppedRecipient(rcpt, verdict.zone or rules.zone, verdict.reason)
+                )
             else:
                 routed.refused.append(Refusal(rcpt, verdict))
         if not routed.queued and not routed.dropped:

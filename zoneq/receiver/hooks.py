@@ -43,6 +43,12 @@ so:
 A recipient already in the header's zone (or placed by a plugin) is not asked again: the
 plugins judged that zone at RCPT.
 
+The recipients are asked side by side, a few at a time, under one deadline for them all
+(``zoneq.queue.consults``): one after another, a thousand of them could outlast the
+client's ten minutes at the final dot (RFC 5321 section 4.5.3.2.6), and a client that gave
+up retries, a duplicate if the message was stored meanwhile.  Past the deadline the
+message gets 451 4.3.0 and nothing is stored.
+
 A plugin that raises, hangs past its time limit or returns garbage is a local fault
 (``PluginFailure``): the command gets 451 4.3.0, never a 5xx (the client keeps the message
 and retries, RFC 5321 section 4.2.1), and the failure is logged.
@@ -71,7 +77,8 @@ from zoneq.plugin import (
     RcptToArgs,
     Session,
 )
-from zoneq.protocol.replies import Reply
+from zoneq.protocol.replies import LOCAL_ERROR, Reply
+from zoneq.queue.consults import ROUTE_DEADLINE_S, RoutingTooSlow, consult_all
 from zoneq.queue.routing import HEADER, Route, Router
 
 __all__ = ["Accepted", "ReceiveHooks", "Routed", "SessionFactory"]
@@ -98,8 +105,15 @@ class Routed:
 class ReceiveHooks:
     """Routing and the receive-time hooks of one receiver; see the module docstring."""
 
-    def __init__(self, config: Config, plugins: PluginHost | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        plugins: PluginHost | None = None,
+        *,
+        recheck_deadline_s: float = ROUTE_DEADLINE_S,
+    ) -> None:
         self.router = Router.from_config(config, plugins)
+        self.recheck_deadline_s = recheck_deadline_s
         self.zone_header = config.routing.zone_header.lower()
         self._plugins = plugins
         # Looked up once: these run for every message on the accept path.
@@ -151,7 +165,7 @@ class ReceiveHooks:
             log.error("RCPT %s from %s: %s", recipient, client_ip, exc)
             return exc.reply
         if isinstance(decided, Drop):
-            return DroppedRecipient(recipient, rules.zone, decided.reason)
+            return DroppedRecipient(recipient, decided.zone or rules.zone, decided.reason)
         if not isinstance(decided, Route) or not self._rcpt_hook:
             return decided
         args = RcptToArgs(who(), sender, recipient, decided.zone)
@@ -210,25 +224,36 @@ class ReceiveHooks:
         plugins again (see "Re-checking the header's zone" above)."""
         session = who()
         header_route = Route(zone, HEADER)
+        asks = [(e.recipient.address, header_route) for e in routed if _moved(e, zone)]
+        try:
+            verdicts = iter(
+                await consult_all(
+                    self.router,
+                    asks,
+                    sender=sender,
+                    session=session,
+                    deadline_s=self.recheck_deadline_s,
+                )
+            )
+        except PluginFailure as exc:
+            log.error("message from %s: %s", session.client_ip, exc)
+            return exc.reply
+        except RoutingTooSlow as exc:
+            log.error("message from %s deferred at the routing header: %s", session.client_ip, exc)
+            return LOCAL_ERROR
         recipients: list[ReceivedRecipient] = []
         dropped: list[DroppedRecipient] = []
         refusals: list[Reply] = []
         for entry in routed:
             rcpt = entry.recipient
-            if entry.rule.startswith(_PLUGIN_RULE) or rcpt.zone == zone:
+            if not _moved(entry, zone):
                 recipients.append(rcpt)
                 continue
-            try:
-                verdict = await self.router.consult(
-                    rcpt.address, header_route, sender=sender, session=session
-                )
-            except PluginFailure as exc:
-                log.error("message from %s, %s: %s", session.client_ip, rcpt.address, exc)
-                return exc.reply
+            verdict = next(verdicts)
             if isinstance(verdict, Route):
                 recipients.append(replace(rcpt, zone=verdict.zone))
             elif isinstance(verdict, Drop):
-                dropped.append(DroppedRecipient(rcpt.address, zone, verdict.reason))
+                dropped.append(DroppedRecipient(rcpt.address, verdict.zone or zone, verdict.reason))
             elif verdict.is_transient:
                 log.warning(
                     "message from %s deferred: %s in zone %s (routing header): %s",
@@ -266,6 +291,12 @@ class ReceiveHooks:
         except PluginFailure as exc:
             log.error("%s", exc)
             raise
+
+
+def _moved(entry: Routed, zone: str) -> bool:
+    """Whether the header moves ``entry`` to ``zone`` (and so the plugins must judge it
+    there): not a plugin's choice, nor already in that zone."""
+    return not entry.rule.startswith(_PLUGIN_RULE) and entry.recipient.zone != zone
 
 
 def with_header_zone(routed: Sequence[Routed], zone: str | None) -> list[ReceivedRecipient]:
