@@ -139,6 +139,9 @@ async def until_empty(store: QueueStore, timeout: float = 30.0) -> None:
         if loop.time() > deadline:
             pytest.fail(f"queue not empty after {timeout} s: {store.counters()}")
         await asyncio.sleep(0.1)
+    # The counters move when an outcome is staged; its batch (with its event) lands a little
+    # later on the writer's thread, and store.events() reads the disk.
+    await store.drain()
 
 
 @async_test
