@@ -421,8 +421,9 @@ class Intake:
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(landing)
             if landing is None or not landing.done() or landing.exception() is not None:
-                # A failed store cannot abandon either: its receiving marker stays, and the
-                # sweep (or the next start's recovery) removes the chunks.
+                # A failed store cannot abandon either, but stops counting the message as
+                # streaming in: its receiving marker stays, and the next sweep after the
+                # DATA timeout (or the reopen's recovery) removes the chunks.
                 with contextlib.suppress(ZoneqError):
                     await asyncio.shield(self.store.abandon(msg_id))
             raise

@@ -86,6 +86,13 @@ class _SessionOver(Exception):
     """The session cannot go on (a failed TLS handshake): close without a reply."""
 
 
+def _storage_fault(exc: Exception) -> Reply:
+    """The reply to a message the queue could not take: 452 4.3.1 below the free-space floor
+    (RFC 5321 section 4.2.2 and RFC 3463 section 3.4: insufficient system storage, a chunk
+    write included, when the client gave no SIZE=), 451 4.3.0 for any other local fault."""
+    return INSUFFICIENT_STORAGE if isinstance(exc, InsufficientStorage) else LOCAL_ERROR
+
+
 def _notify_keywords(notify: frozenset[Notify] | None) -> tuple[str, ...]:
     if not notify:
         return ()
@@ -440,7 +447,7 @@ class SmtpSession:
                 log.warning(
                     "message %s: chunk write failed: %s", format_id(self.msg_id), exc, extra=REPEATS
                 )
-                self.fault = LOCAL_ERROR
+                self.fault = _storage_fault(exc)
                 break
             self.index += 1
         if self.fault is not None:
@@ -516,7 +523,7 @@ class SmtpSession:
         except (ZoneqError, ValueError) as exc:
             log.warning("message %s: commit failed: %s", format_id(msg_id), exc, extra=REPEATS)
             await self._end_transaction()
-            return self.conn.reject(LOCAL_ERROR)
+            return self.conn.reject(_storage_fault(exc))
         except asyncio.CancelledError:
             # The server is closing and its grace ran out while the commit synced.  The
             # commit goes on (shielded) and may land: abandoning the message now would
@@ -563,5 +570,6 @@ class SmtpSession:
         try:
             await asyncio.shield(self.sink.abandon(msg_id))
         except ZoneqError as exc:
-            # The sweep removes the chunks later (the receiving marker stays).
+            # The store no longer counts it as streaming in: its receiving marker stays,
+            # and the next sweep after the DATA timeout (or a reopen) removes the chunks.
             log.warning("message %s: abandon failed: %s", format_id(msg_id), exc, extra=REPEATS)

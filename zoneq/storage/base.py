@@ -48,6 +48,9 @@ FAMILY_STATE: Final = {
 }
 STATE_FAMILY: Final = {v: k for k, v in FAMILY_STATE.items()}
 READY_STATE: Final = State.READY.value
+# A deleted body at least this big has its key range compacted at the next maintenance
+# round; smaller ones (most abandons are a chunk or two) are left to LevelDB's own.
+DEAD_BODY_COMPACT: Final = 1 << 20
 
 log = logging.getLogger("zoneq.storage")
 
@@ -146,6 +149,9 @@ class StoreBase:
         # abandoned; its delete must be staged too, or the chunk lands after the marker is gone
         # and nothing would ever find it again.
         self._receiving: dict[int, int] = {}
+        # Messages whose big body was deleted (abandoned, or swept as an orphan): their key
+        # ranges are compacted at the next maintenance round (``maintenance.compact``).
+        self._dead_bodies: set[int] = set()
         # Messages whose commit failed (their client got 4xx); see _undo_failed_commits.
         self._failed_commits: dict[int, int] = {}  # msg_id -> the commit's now_ms
         self.quarantined: list[StorageCorruption] = []
@@ -228,7 +234,10 @@ class StoreBase:
         ops: list[Op] = []
         for msg_id, now_ms in sorted(failed.items()):
             if self._db.get(keys.message_head(msg_id)) is None:
-                continue  # the batch did not land: the sweep removes its chunks
+                # The batch did not land: its message is no longer streaming in (its client
+                # was told 4xx), so the sweep after the DATA timeout removes its chunks.
+                self._receiving.pop(msg_id, None)
+                continue
             for state, key, _ in list(self._raw_records(msg_id)):
                 ops.extend(self._remove_key(key, state, None))
                 _, zone, _, address = keys.decode_record(key)
@@ -254,6 +263,14 @@ class StoreBase:
             except StorageUnavailable:
                 self._failed_commits.update(failed)  # the next reopen tries again
                 raise
+
+    def _note_dead_body(self, msg_id: int, chunks: int) -> None:
+        """``chunks`` of ``msg_id``'s body were deleted: a big body's range is compacted at
+        the next maintenance round.  LevelDB frees a deleted value's space only when a
+        compaction reaches it, and no zone mark's range covers the message family, so
+        without this 40 MiB of dead chunks kept the disk below the floor for good."""
+        if chunks * self.chunk_size >= DEAD_BODY_COMPACT:
+            self._dead_bodies.add(msg_id)
 
     @property
     def failure(self) -> StorageUnavailable | None:

@@ -102,16 +102,26 @@ class MaintenanceMixin(StoreBase):
             if not is_orphan(msg_id):
                 continue
             if self._db.get(keys.message_head(msg_id)) is None:
-                ops.extend(self._chunk_deletes(msg_id))
+                chunks = self._chunk_deletes(msg_id)
+                ops.extend(chunks)
+                self._note_dead_body(msg_id, len(chunks))
             ops.append((key, None))
         return ops
 
     def compact(self) -> None:
-        """Compact the deleted ranges behind each zone's marks (explicit ranges only)."""
+        """Compact the deleted ranges behind each zone's marks, and the range of each big
+        body deleted since the last round (explicit ranges only)."""
         for zone, cursor in list(self._cursors.items()):
             self._db.compact_range(keys.zone_prefix(keys.READY, zone), cursor)
         for zone, mark in list(self._due_marks.items()):
             self._db.compact_range(keys.zone_prefix(keys.DUE, zone), mark)
+        # Each message's own range, not the span between the oldest and newest: live
+        # messages received meanwhile sort in between and would be rewritten for nothing.
+        for msg_id in sorted(self._dead_bodies):
+            # (The next id's prefix bounds every key of this one: head, metadata, chunks.)
+            self._db.compact_range(keys.message_prefix(msg_id), keys.message_prefix(msg_id + 1))
+            self._dead_bodies.discard(msg_id)  # after it: a failed one is tried next round
+            self.space.free_bytes(fresh=True)  # the space is back: intake sees it at once
 
     async def trim_events(self, before_ms: int, limit: int = 50_000) -> int:
         """Delete up to ``limit`` events older than ``before_ms`` (one batch); how many."""

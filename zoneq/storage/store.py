@@ -126,8 +126,14 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         return msg_id
 
     async def write_chunk(self, msg_id: int, index: int, data: bytes) -> None:
-        """Store body chunk ``index`` (unsynced: the commit's sync makes it durable)."""
+        """Store body chunk ``index`` (unsynced: the commit's sync makes it durable).
+
+        Raises ``InsufficientStorage`` (452 4.3.1 for this message) when the chunk would take
+        free space below the floor: a client need not declare SIZE= (RFC 1870 makes it
+        optional), so ``begin`` alone cannot keep a big message from filling the disk.
+        """
         self._check()
+        self.space.admit_write(len(data))
         ops: list[Op] = [(keys.message_chunk(msg_id, index), data)]
         if index == 0:
             # The marker goes in the same batch as the first chunk, so no chunk is ever on
@@ -193,12 +199,22 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         return landing
 
     async def abandon(self, msg_id: int) -> None:
-        """The client went away mid-DATA (or the message was refused): remove its chunks."""
-        self._check()
-        ops = self._chunks_gone(msg_id)
-        self._receiving.pop(msg_id, None)
+        """The client went away mid-DATA (or the message was refused): remove its chunks.
+
+        The message stops being "still streaming" whatever happens here: if the store is
+        failed (or this write fails), its receiving marker stays on disk and the reopen's
+        recovery or the next sweep after the DATA timeout removes the chunks.  Left in
+        ``_receiving`` they would be skipped as live until a restart.
+        """
+        try:
+            self._check()
+            ops = self._chunks_gone(msg_id)
+        finally:
+            staged = self._receiving.pop(msg_id, 0)
+        chunks = max(staged, len(ops))
         ops.append((keys.receiving(msg_id), None))
         await self._writer.submit(ops, sync=False)
+        self._note_dead_body(msg_id, chunks)
 
     def _chunks_gone(self, msg_id: int) -> list[Op]:
         """Deletes of every chunk of a message being received: those staged (not on disk
