@@ -67,7 +67,7 @@ from zoneq.protocol.reply_rules import ReplyAction, rule_report
 from zoneq.protocol.retry import RetrySchedule
 from zoneq.queue.bounces import FULL_RETURN_LIMIT, HEADER_LIMIT, Failure, any_wanted, compose
 from zoneq.queue.feedback import DomainFeedback
-from zoneq.queue.scheduler import DomainSlots, JobQueue, Planned, RateLimiter, plan_jobs
+from zoneq.queue.scheduler import DomainSlots, Filling, JobQueue, Planned, RateLimiter
 from zoneq.storage.records import MessageMeta, Notice
 from zoneq.storage.store import Lease, Outcome, QueueStore
 
@@ -75,6 +75,10 @@ log = logging.getLogger("zoneq.queue")
 
 CORE_OWNER: Final = "core"  # the store-level owner of every lease the service holds
 DEFAULT_WINDOW: Final = 2000  # recipients leased ahead per zone
+# Recipients of one message that may wait in jobs still being filled (``Filling``), past
+# the window: with 50 a job, enough for a message to 100 domains (4,900) to go out in full
+# jobs.  Postfix's queue manager keeps up to 20,000 recipients in memory.
+DEFAULT_FILLING: Final = 5000
 # How long what a refill scan turned down stays turned down at most (``_refill``).
 RESCAN_S: Final = 1.0
 DEFAULT_DOMAIN_CONNECTIONS: Final = 10
@@ -190,6 +194,7 @@ class _Zone:
     schedule: RetrySchedule
     slots: DomainSlots
     rate: RateLimiter
+    filling: Filling[Lease]  # jobs of a message the last window cut short (``_refill``)
     queue: JobQueue[Lease] = field(default_factory=JobQueue)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     verdicts: _Verdicts | None = None
@@ -219,6 +224,7 @@ class QueueService:
         window: int = DEFAULT_WINDOW,
         domain_connections: int = DEFAULT_DOMAIN_CONNECTIONS,
         max_recipients: int = 50,
+        filling: int = DEFAULT_FILLING,
         plugins: PluginHost | None = None,
     ) -> None:
         self._store = store
@@ -228,6 +234,7 @@ class QueueService:
         self._window = window
         self._domain_connections = domain_connections
         self._max_recipients = max_recipients
+        self._filling = filling
         self._zones: dict[str, _Zone] = {}
         self._leases: dict[int, tuple[Lease, int]] = {}  # token -> (lease, job id)
         self._running: dict[int, _Running] = {}  # job id -> state
@@ -284,6 +291,9 @@ class QueueService:
                     mx_limits=self._config.delivery.mx_limits,
                 ),
                 rate=RateLimiter.zone(settings.rate_limit if settings is not None else None),
+                filling=Filling(
+                    group=_job_group, max_recipients=self._max_recipients, limit=self._filling
+                ),
             )
             self._zones[name] = zone
         return zone
@@ -337,13 +347,27 @@ class QueueService:
                 try:
                     refilled = self._refill(state)
                 except StorageUnavailable:
-                    if not jobs:
+                    if not jobs and not state.filling:
                         raise
                     refilled = False  # the jobs built so far go out (their leases are out)
                 if not refilled:
-                    break
+                    # Nothing more to read now: jobs still being filled go out as they are.
+                    opened = state.filling.flush()
+                    if not opened:
+                        break
+                    state.queue.extend(opened)
                 continue
-            job = self._hand_out(state, owner, *taken)
+            try:
+                job = self._hand_out(state, owner, *taken)
+            except Exception:
+                # Nothing of this job is registered yet (``_hand_out`` does that last), so
+                # its recipients and slot are given back here, or they would stay out of
+                # circulation; the jobs built before it go out (their leases are out).
+                self._give_back(state, *taken)
+                if not jobs:
+                    raise
+                log.exception("job of message %s not handed out", format_id(taken[0].msg_id))
+                break
             if job is not None:
                 jobs.append(job)
         return jobs
@@ -387,14 +411,19 @@ class QueueService:
         state.exhausted = not leases
         if not leases:
             return False
-        state.queue.extend(
-            plan_jobs(
-                leases,
-                group=lambda lease: (lease.recipient.msg_id, lease.recipient.domain),
-                max_recipients=self._max_recipients,
-            )
-        )
+        # A scan that stopped at the window may have stopped inside a message (one to many
+        # domains comes in address order): its partial jobs wait to be topped up by the
+        # next refill (``Filling``; ``_take`` flushes them when nothing more can be read).
+        state.queue.extend(state.filling.plan(leases, cut=len(leases) >= room))
         return True
+
+    def _give_back(self, state: _Zone, planned: Planned[Lease], slot: int) -> None:
+        """A job taken from the queue that will not go out: its slot, and its recipients
+        (ready again in the store, unless revoked meanwhile)."""
+        state.slots.put_back(slot)
+        for lease in planned.items:
+            with contextlib.suppress(LeaseError):
+                self._store.release(lease)
 
     def _hand_out(self, state: _Zone, owner: str, planned: Planned[Lease], slot: int) -> Job | None:
         # Recipients wait here leased to the core; one an administrator dropped meanwhile has
@@ -425,15 +454,8 @@ class QueueService:
             state.slots.put_back(slot)
             return None
         planned = Planned(planned.msg_id, planned.domain, tuple(current))
-        job_id = next(self._job_ids)
-        tokens = {lease.token for lease in planned.items}
-        self._running[job_id] = _Running(
-            state.name, planned.domain, owner, tokens, meta.size, meta.sender, slot
-        )
-        for lease in planned.items:
-            self._leases[lease.token] = (lease, job_id)
         feedback = state.slots.feedback
-        return Job(
+        job = Job(
             slot=slot,
             rested=feedback.rested(planned.domain) if feedback is not None else frozenset(),
             body=self._inline_body(meta),
@@ -457,14 +479,36 @@ class QueueService:
                 for lease in planned.items
             ),
         )
+        # Registered to the worker only now, when nothing is left that can fail: a job
+        # registered and then not returned would hold its recipients and its slot until
+        # the worker went away, and be logged then as a possible duplicate.
+        job_id = next(self._job_ids)
+        tokens = {lease.token for lease in planned.items}
+        self._running[job_id] = _Running(
+            state.name, planned.domain, owner, tokens, meta.size, meta.sender, slot
+        )
+        for lease in planned.items:
+            self._leases[lease.token] = (lease, job_id)
+        return job
 
     def _inline_body(self, meta: MessageMeta) -> bytes | None:
-        """A one-chunk body travels with its job; a missing one is the worker's to find."""
+        """A one-chunk body travels with its job.  One the core cannot read now (missing,
+        a damaged block, the database closed) is the worker's to fetch: it goes out all
+        the same, and the worker's fetch fails the same way and reports the damaged body
+        (``_body_damaged``), which quarantines the message, or defers it for later."""
         if meta.chunks != 1:
             return None
         try:
             return self._store.chunk(meta.msg_id, 0)
         except NotFound:
+            return None
+        except (StorageUnavailable, StorageCorruption) as exc:
+            log.warning(
+                "message %s: body not read for its job (%s); the worker reads it",
+                format_id(meta.msg_id),
+                exc,
+                extra=REPEATS,
+            )
             return None
 
     def _finish(self, token: int, kept: Container[int] = ()) -> Lease:
@@ -857,7 +901,7 @@ class QueueService:
         is not written yet is caught as well.
         """
         for zone in self._zones.values():
-            for job in zone.queue.remove(msg_id):
+            for job in [*zone.queue.remove(msg_id), *zone.filling.remove(msg_id)]:
                 for lease in job.items:
                     with contextlib.suppress(LeaseError):
                         self._store.release(lease)
@@ -960,7 +1004,7 @@ class QueueService:
         if state is None:
             return 0
         returned = 0
-        for job in state.queue.drain():
+        for job in [*state.queue.drain(), *state.filling.flush()]:
             for lease in job.items:
                 with contextlib.suppress(LeaseError):  # revoked meanwhile (dropped)
                     self._store.release(lease)
@@ -1013,6 +1057,11 @@ _OUTCOME_HOOK: Final = {
     Result.DEFERRED: Hook.DEFERRED,
     Result.BOUNCED: Hook.BOUNCED,
 }
+
+
+def _job_group(lease: Lease) -> tuple[int, str]:
+    """What one job holds: recipients of one message for one domain."""
+    return lease.recipient.msg_id, lease.recipient.domain
 
 
 def _log_duplicate(lease: Lease, item: RecipientOutcome) -> None:
