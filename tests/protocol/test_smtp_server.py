@@ -445,15 +445,23 @@ def rcpts(count: int) -> bytes:
         ),
         (
             "max_errors of one",
-            EHLO + MAIL + rcpts(4) + b"DATA\r\nhi\r\n.\r\n",
+            EHLO + MAIL + rcpts(2) + b"DATA\r\nhi\r\n.\r\n",
             {"max_recipients": 1, "max_errors": 1},
-            ["250", "250 2.1.0", "250 2.1.5", *["452 4.5.3"] * 3, "354", "250 2.0.0"],
+            ["250", "250 2.1.0", "250 2.1.5", "452 4.5.3", "354", "250 2.0.0"],
+        ),
+        (
+            # Postfix's smtpd_recipient_overshoot_limit: as many again as the limit are
+            # free, then each counts, so RCPTs cannot go on for ever.
+            "past the allowance each counts",
+            EHLO + MAIL + rcpts(8) + b"NOOP\r\n",
+            {"max_recipients": 2, "max_errors": 2},
+            ["250", "250 2.1.0", *["250 2.1.5"] * 2, *["452 4.5.3"] * 4, "421 4.7.0"],
         ),
         (
             "other errors still count",
-            EHLO + MAIL + rcpts(5) + b"BOGUS\r\nBOGUS\r\nNOOP\r\n",
+            EHLO + MAIL + rcpts(2) + b"BOGUS\r\nBOGUS\r\nNOOP\r\n",
             {"max_recipients": 1, "max_errors": 2},
-            ["250", "250 2.1.0", "250 2.1.5", *["452 4.5.3"] * 4, *["500 5.5.2"] * 2, "421 4.7.0"],
+            ["250", "250 2.1.0", "250 2.1.5", "452 4.5.3", *["500 5.5.2"] * 2, "421 4.7.0"],
         ),
         (
             "a malformed rcpt over the limit is an error",
@@ -1195,6 +1203,10 @@ def long_auth(total: int) -> bytes:
         ("AUTH not offered", mail_auth(b"<>"), {"auth_offered": False}, "555 5.5.4"),
         ("line at the limit", long_auth(AUTH_LINE_LIMIT), {}, "250 2.1.0"),
         ("line over the limit", long_auth(AUTH_LINE_LIMIT + 1), {}, "500 5.5.2"),
+        # Where AUTH is not advertised the line gets no extra room (a quoted local part
+        # may hold " AUTH=" too).
+        ("long line, AUTH not offered", long_auth(700), {"auth_offered": False}, "500 5.5.2"),
+        ("long line, no TLS", long_auth(700), {"tls_active": False}, "500 5.5.2"),
         (
             "AUTH= past the MAIL limit does not extend it",
             b"MAIL FROM:<a@example.org>" + b" " * 640 + b"AUTH=<>\r\n",

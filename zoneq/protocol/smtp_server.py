@@ -19,11 +19,13 @@ on the events that come back, and writes out ``data_to_send()``.  Like h11, the 
   client could hold a session for ever with bad commands, or harvest addresses with
   refused RCPTs.  A message accepted (250 at the final dot) starts the count again, so a
   bulk session with a refused recipient now and then is never cut off.  One exception:
-  the 452 for a recipient past ``max_recipients`` is not an error.  RFC 5321 section
-  4.5.3.1.10 has the client send those recipients later, in another transaction; a client
-  pipelining a long list would otherwise reach the limit and lose with the 421 every
-  recipient already accepted, on every retry.  That 452 is given before any lookup, so it
-  tells a harvester nothing, and it costs no more than a NOOP (which does not count either).
+  the 452 for a recipient past ``max_recipients`` is not an error, for as many again as
+  the limit (Postfix's ``smtpd_recipient_overshoot_limit``).  RFC 5321 section 4.5.3.1.10
+  has the client send those recipients later, in another transaction; a client pipelining
+  a long list would otherwise reach the limit and lose with the 421 every recipient
+  already accepted, on every retry.  That 452 is given before any lookup, so it tells a
+  harvester nothing; past the allowance each counts again, so a client cannot send RCPTs
+  for ever (clients send at most their own recipient limit per transaction, Postfix's 50).
 * Commands the machine can answer alone (EHLO, NOOP, RSET, ...) are answered at once.
   Commands that need the driver's judgement (``MailFrom``, ``RcptTo``, ``DataStart``,
   ``DataEnd``, ``AuthRequest``, ``AuthResponse``) become events with ``needs_decision``;
@@ -234,6 +236,7 @@ class ServerConnection:
         self._esmtp = False
         self._smtputf8 = False
         self._recipients = 0
+        self._overshoot = 0  # 452s past max_recipients in this transaction
         self._buffer = bytearray()
         self._out = bytearray()
         self._discarding = False  # inside an over-long command line
@@ -366,6 +369,7 @@ class ServerConnection:
     def _reset_transaction(self) -> None:
         self._smtputf8 = False
         self._recipients = 0
+        self._overshoot = 0
         if self.state in (State.MAIL, State.RCPT, State.DATA):
             self.state = State.READY
 
@@ -442,9 +446,18 @@ class ServerConnection:
             return max(self.max_command_line, SASL_RESPONSE_LIMIT)  # a SASL response
         verb = bytes(line[:5]).upper()
         limit = self.max_command_line + _EXTENDED.get(verb, 0)
-        if verb == b"MAIL " and bytes(line[:limit]).upper().find(_AUTH_PARAMETER) >= 0:
+        if (
+            verb == b"MAIL "
+            and self._auth_parameter_allowed()
+            and bytes(line[:limit]).upper().find(_AUTH_PARAMETER) >= 0
+        ):
             limit += _AUTH_EXTRA
         return limit
+
+    def _auth_parameter_allowed(self) -> bool:
+        """Whether MAIL may carry AUTH= (RFC 4954 section 5): where EHLO advertised AUTH.
+        Elsewhere AUTH= is an unknown parameter (555), and its line gets no extra room."""
+        return self._esmtp and self.auth_offered and self.tls_active
 
     def _line(self, line: str, events: list[Event]) -> None:
         if self.state is State.AUTH:
@@ -488,7 +501,7 @@ class ServerConnection:
         if self.state in _IN_TRANSACTION:
             raise CommandError(_NESTED_MAIL)
         # RFC 4954 section 5: AUTH= is a MAIL parameter where EHLO advertised AUTH.
-        auth = self._esmtp and self.auth_offered and self.tls_active
+        auth = self._auth_parameter_allowed()
         cmd = parse_mail(arg, esmtp=self._esmtp, max_size=self.max_message_size, auth=auth)
         event = MailFrom(cmd.sender, cmd.size, cmd.body, cmd.smtputf8, cmd.ret, cmd.envid)
         self._decide(event, events)
@@ -498,9 +511,11 @@ class ServerConnection:
             raise CommandError(BAD_SEQUENCE_HELLO if self.state is State.INITIAL else _NEED_MAIL)
         cmd = parse_rcpt(arg, esmtp=self._esmtp, smtputf8=self._smtputf8)
         if self._recipients >= self.max_recipients:
-            # RFC 5321 4.5.3.1.10: the client sends the rest later.  Not an error (see the
-            # module docstring): counting it would cut off a long pipelined list.
-            self._send(TOO_MANY_RECIPIENTS, counted=False)
+            # RFC 5321 4.5.3.1.10: the client sends the rest later.  Not an error up to as
+            # many again as the limit (see the module docstring): counting it would cut off
+            # a long pipelined list; beyond, it counts, so RCPTs cannot go on for ever.
+            self._overshoot += 1
+            self._send(TOO_MANY_RECIPIENTS, counted=self._overshoot > self.max_recipients)
             return
         self._decide(RcptTo(cmd.recipient, cmd.notify, cmd.orcpt, cmd.route), events)
 
