@@ -66,16 +66,13 @@ def _cmd_receiver(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
-    from zoneq.config import check_config
-    from zoneq.plugin.check import plugin_problems
+    from zoneq.plugin.check import config_problems
 
-    problems = check_config(args.config)
+    # The loader's faults and what start-up would find next: each plugin's own init (key
+    # files, zones, events), run for every plugin that loads even when another did not.
+    problems, config = config_problems(args.config)
     warnings: list[str] = []
-    if not problems:
-        config = load_config(args.config)
-        # What start-up would find next: each plugin's own init (key files, zones, events),
-        # and the API token, read as serve reads it.
-        problems = [str(p) for p in plugin_problems(config)]
+    if config is not None:  # and the API token, read as serve reads it
         problems += _token_problems(config, warnings)
     where = args.config if args.config is not None else "the built-in configuration"
     for line in warnings:

@@ -7,6 +7,10 @@ naming an undefined zone, an unknown event name) only show when ``init`` runs.  
 here, and report every fault at once, each naming ``plugins.<name>`` (and the option where
 the plugin said which, with ``OptionError``): nothing starts half-configured (issue 5).
 
+``check-config`` (``config_problems``) runs the ``init`` of every plugin that loads even when
+the loader refused the file for another fault (a plugin's syntax error, a bad option, a pool
+address): one run then lists a missing DKIM key next to the syntax error, not after it.
+
 ``init`` registers handlers and reads files; it must not start tasks (the bundled plugins
 start theirs at the first event), so running it for a check costs nothing lasting, and the
 check runs the plugins' ``on_close`` callbacks afterwards all the same.
@@ -17,23 +21,41 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import tomllib
+from collections.abc import Collection, Iterable
+from pathlib import Path
 
-from zoneq.config.loader import InvalidConfig, Problem, dotted_key, load_plugin
+from pydantic import ValidationError
+
+from zoneq.config.loader import (
+    InvalidConfig,
+    Problem,
+    default_config_text,
+    dotted_key,
+    load_config,
+    load_plugin,
+)
 from zoneq.config.model import Config
+from zoneq.errors import ConfigError
 from zoneq.plugin.app import PluginApp
 from zoneq.plugin.errors import OptionError
 
-__all__ = ["initialise", "plugin_problems"]
+__all__ = ["config_problems", "initialise", "plugin_problems"]
 
 log = logging.getLogger("zoneq.plugin")
 
 
-def initialise(config: Config) -> tuple[list[tuple[PluginApp, float]], list[Problem]]:
-    """Every enabled plugin initialised, with its time limit; and every fault found."""
+def initialise(
+    config: Config, *, skip: Collection[str] = frozenset()
+) -> tuple[list[tuple[PluginApp, float]], list[Problem]]:
+    """Every enabled plugin initialised, with its time limit; and every fault found.
+
+    ``skip``: plugins left out (neither imported nor initialised), as if disabled.
+    """
     apps: list[tuple[PluginApp, float]] = []
     problems: list[Problem] = []
     for name, settings in config.plugins.items():
-        if not settings.enabled:
+        if not settings.enabled or name in skip:
             continue
         try:
             module, options = load_plugin(name, settings)
@@ -51,17 +73,63 @@ def initialise(config: Config) -> tuple[list[tuple[PluginApp, float]], list[Prob
     return apps, problems
 
 
-def plugin_problems(config: Config) -> list[Problem]:
+def plugin_problems(config: Config, *, skip: Collection[str] = frozenset()) -> list[Problem]:
     """What ``zoneq check-config`` adds to the loader's checks: each plugin's ``init`` run
-    (on an event loop, as at start-up), then closed again."""
+    (on an event loop, as at start-up), then closed again; the plugins in ``skip`` left out."""
 
     async def check() -> list[Problem]:
-        apps, problems = initialise(config)
+        apps, problems = initialise(config, skip=skip)
         for app, _timeout in apps:
             await close_app(app)
         return problems
 
     return asyncio.run(check())
+
+
+def config_problems(path: Path | None) -> tuple[list[str], Config | None]:
+    """Every fault of the config at ``path`` that ``zoneq check-config`` lists before the API
+    token's, one line each; and the config when the loader found no fault.
+
+    First the loader's (the file, TOML, the model, pool addresses, each plugin's import and
+    options), then each plugin's own ``init``.  When the loader refused the file it built no
+    ``Config``, so the ``init`` checks run on the model alone (its other checks are the
+    loader's, just reported), skipping the plugins the loader already named: a plugin that
+    does not import is reported once, and hides no other plugin's fault.
+    """
+    try:
+        config = load_config(path)
+    except InvalidConfig as exc:
+        reported = list(exc.problems)
+    except ConfigError as exc:  # no file, not UTF-8: nothing more to check
+        return [str(exc)], None
+    else:
+        return [str(p) for p in plugin_problems(config)], config
+    model = _model_alone(path)
+    if model is not None:  # None: the model itself is at fault, no plugin was loaded
+        reported += plugin_problems(model, skip=_named_plugins(model, reported))
+    return [str(p) for p in reported], None
+
+
+def _model_alone(path: Path | None) -> Config | None:
+    """The config at ``path`` validated by the model only (no pool or plugin checks); None
+    if the loader's read, TOML or model checks fail, which it has just reported."""
+    try:
+        text = default_config_text() if path is None else path.read_text(encoding="utf-8")
+        return Config.model_validate(tomllib.loads(text))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ValidationError):
+        return None
+
+
+def _named_plugins(config: Config, problems: Iterable[Problem]) -> set[str]:
+    """The plugins of ``config`` that one of ``problems`` names (its key under theirs)."""
+    keys = [p.key for p in problems]
+    named: set[str] = set()
+    for name in config.plugins:
+        prefix = dotted_key(("plugins", name))
+        # A "." ends the plugin's part of a key: plugins.dkim2.module is not plugins.dkim's.
+        if any(key == prefix or key.startswith(f"{prefix}.") for key in keys):
+            named.add(name)
+    return named
 
 
 async def close_app(app: PluginApp) -> None:
