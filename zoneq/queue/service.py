@@ -971,11 +971,18 @@ class QueueService:
     # --- timers ---------------------------------------------------------------------------
 
     async def promote_due(self) -> int:
-        """Bring every zone's due deferred recipients back to ready; how many."""
+        """Bring every zone's due deferred recipients back to ready; how many.
+
+        Those due further ahead than the zone's longest retry interval too: the wall clock
+        stepped back since they were deferred, and a step back must not lengthen a wait
+        beyond that interval (``zoneq/storage/stepback.py``).  ``_next_attempt`` needs no
+        such care: it counts from the clock of the failure, never from an older time.
+        """
         now = self._clock()
         moved = 0
         for zone in sorted(self._store.zones()):
-            moved += await self._store.promote_due(zone, now)
+            longest = max(self._zone(zone).schedule.intervals_ms)
+            moved += await self._store.promote_due(zone, now, longest_ms=longest)
         return moved
 
     async def run(self, stop: asyncio.Event, interval_s: float = 1.0) -> None:

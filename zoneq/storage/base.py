@@ -144,6 +144,9 @@ class StoreBase:
         self._replays: set[asyncio.Task[None]] = set()
         self._cursors: dict[str, bytes] = {}
         self._due_marks: dict[str, bytes] = {}
+        # Per zone, a key above every live due key, once known (``QueueStore.promote_due``:
+        # due times further ahead than a forward clock allows mean it stepped back).
+        self._due_ceilings: dict[str, bytes] = {}
         # Messages whose DATA is streaming in: id -> chunks staged so far (highest index + 1).
         # Kept because a chunk write may still be staged (not on disk) when the message is
         # abandoned; its delete must be staged too, or the chunk lands after the marker is gone
