@@ -412,6 +412,9 @@ class StoreBase:
         on_disk = {key for key, _ in ops}
         staged = self._writer.staged_inserts(keys.chunk_prefix(msg_id))
         ops.extend((key, None) for key in staged if key not in on_disk)
+        # An operator deleting a big message (the first move on a full disk) must get the
+        # space back: a delete is a tombstone until a compaction reaches the range.
+        self._note_dead_body(msg_id, len(ops) - 2)  # all but the head and the metadata
         return ops
 
     def _remove_record(self, queued: QueuedRecipient) -> list[Op]:

@@ -66,9 +66,14 @@ class BulkMixin(StoreBase):
         for msg_id, count in gone.items():
             head = heads[msg_id]
             if head is not None:
-                ops.extend(self._recipients_gone(msg_id, head, count))
+                deletes = self._recipients_gone(msg_id, head, count)
             else:
-                ops.extend(self._headless(msg_id, removed))
+                deletes = self._headless(msg_id, removed)
+            ops.extend(deletes)
+            # A purge of big messages (a full disk's remedy) gets the space back as a
+            # delete does (``_note_dead_body``); a delivery's removal is left to LevelDB.
+            prefix = keys.chunk_prefix(msg_id)
+            self._note_dead_body(msg_id, sum(1 for key, _ in deletes if key.startswith(prefix)))
         if ops:
             await self._writer.submit(ops, sync=False)
         return len(chosen)

@@ -1,0 +1,56 @@
+"""Deleted big bodies give their disk space back at the next maintenance round.
+
+LevelDB frees a deleted value's space only when a compaction reaches its range, and no
+zone mark's range covers the message family.  On a full disk the operator's first move is
+to delete the big message: that must free the disk, as an abandoned one's does.  A real
+store on disk; the body is incompressible, so the sizes are the data's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.queue.test_service import Z
+from tests.storage.conftest import T0, StoreFactory, assert_consistent, async_test, queue_message
+from zoneq.storage.records import State
+from zoneq.storage.store import QueueStore
+
+MIB = 1 << 20
+CHUNK = 64 * 1024
+BODY_MIB = 8
+
+
+def disk_use(directory: Path) -> int:
+    return sum(entry.stat().st_size for entry in directory.iterdir() if entry.is_file())
+
+
+async def big_message(store: QueueStore) -> int:
+    body = [os.urandom(CHUNK) for _ in range(BODY_MIB * MIB // CHUNK)]
+    return await queue_message(store, [("a@dest.test", Z), ("b@dest.test", Z)], body=body)
+
+
+@pytest.mark.parametrize("how", ["deleted", "purged"])
+@async_test
+async def test_a_big_message_deleted_by_an_operator_gives_its_space_back(
+    stores: StoreFactory, how: str
+) -> None:
+    store = stores.open()
+    directory = stores.path
+    msg_id = await big_message(store)
+    store.compact()  # the body is in table files, as on a disk that filled up over time
+    before = disk_use(directory)
+    assert before > BODY_MIB * MIB
+    if how == "deleted":
+        assert await store.drop(msg_id, T0) == 2
+    else:
+        chosen = list(store.recipients(msg_id))
+        assert await store.drop_many(chosen, T0) == 2
+    await store.drain()
+    store.compact()  # the maintenance round
+    after = disk_use(directory)
+    assert after < before - (BODY_MIB - 1) * MIB, (before // MIB, after // MIB)
+    assert store.count(Z, State.READY) == 0
+    await assert_consistent(store)
