@@ -12,28 +12,14 @@ no Python traceback.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.serve import ROOT, running_serve, write_serve_config
+from tests.support.command import zoneq
+from tests.support.serve import running_serve, write_serve_config
 
 pytestmark = pytest.mark.integration
-
-RUN_TIMEOUT_S = 60
-
-
-def zoneq(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "zoneq", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        check=False,
-    )
 
 
 def set_key(config: Path, key: str, value: str) -> None:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.command import zoneq
 from tests.support.testbed import missing
 from zoneq import cli
 from zoneq.analytics import warmup
@@ -31,7 +30,6 @@ from zoneq.protocol.columns import (
 )
 from zoneq.protocol.events import EventKind
 
-ROOT = Path(__file__).resolve().parents[2]
 TYPES: tuple[ColumnType, ...] = ("int32", "int64", "string", "bool")
 
 
@@ -167,21 +165,6 @@ def test_the_command_line_says_what_is_wrong(
 ) -> None:
     assert cli.main(["analytics", *argv]) == 2
     assert said in capsys.readouterr().err
-
-
-def zoneq(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 300
-) -> subprocess.CompletedProcess[str]:
-    """The ``zoneq`` command as a new process (as set-up runs it)."""
-    return subprocess.run(
-        [sys.executable, "-m", "zoneq", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def archive_path(cache: Path) -> Path:

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from tests.export.conftest import ZONES, Traffic, stopped_directory
 from tests.storage.conftest import StoreFactory, async_test
 from tests.support.bed import ok_test_bed
+from tests.support.command import zoneq
 from tests.support.serve import running_serve, smtp_port
 from zoneq.export import watermark
 from zoneq.export.files import Format, escape_path_name, part_name, utc_day, write_rows
@@ -279,17 +280,6 @@ async def test_an_incremental_export_keeps_its_format(stores: StoreFactory, tmp_
 
 
 # --- the command -----------------------------------------------------------------------------
-
-
-def zoneq(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "zoneq", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 @pytest.mark.integration
