@@ -51,6 +51,13 @@ READY_STATE: Final = State.READY.value
 # A deleted body at least this big has its key range compacted at the next maintenance
 # round; smaller ones (most abandons are a chunk or two) are left to LevelDB's own.
 DEAD_BODY_COMPACT: Final = 1 << 20
+# A big body deleted but not yet compacted: ``meta "dead-body" <id:u64>`` -> b"".
+DEAD_BODIES: Final = keys.meta("dead-body")
+
+
+def dead_body_key(msg_id: int) -> bytes:
+    return DEAD_BODIES + keys.u64(msg_id)
+
 
 log = logging.getLogger("zoneq.storage")
 
@@ -267,13 +274,18 @@ class StoreBase:
                 self._failed_commits.update(failed)  # the next reopen tries again
                 raise
 
-    def _note_dead_body(self, msg_id: int, chunks: int) -> None:
-        """``chunks`` of ``msg_id``'s body were deleted: a big body's range is compacted at
-        the next maintenance round.  LevelDB frees a deleted value's space only when a
+    def _note_dead_body(self, msg_id: int, chunks: int) -> list[Op]:
+        """``chunks`` of ``msg_id``'s body are being deleted: a big body's range is compacted
+        at the next maintenance round.  LevelDB frees a deleted value's space only when a
         compaction reaches it, and no zone mark's range covers the message family, so
-        without this 40 MiB of dead chunks kept the disk below the floor for good."""
-        if chunks * self.chunk_size >= DEAD_BODY_COMPACT:
-            self._dead_bodies.add(msg_id)
+        without this 40 MiB of dead chunks kept the disk below the floor for good.
+
+        Returns the write that records it on disk, for the deletes' own batch: a stop
+        before the next round must not forget it (``recover`` reads the records back)."""
+        if chunks * self.chunk_size < DEAD_BODY_COMPACT:
+            return []
+        self._dead_bodies.add(msg_id)
+        return [(dead_body_key(msg_id), b"")]
 
     @property
     def failure(self) -> StorageUnavailable | None:
@@ -414,7 +426,7 @@ class StoreBase:
         ops.extend((key, None) for key in staged if key not in on_disk)
         # An operator deleting a big message (the first move on a full disk) must get the
         # space back: a delete is a tombstone until a compaction reaches the range.
-        self._note_dead_body(msg_id, len(ops) - 2)  # all but the head and the metadata
+        ops.extend(self._note_dead_body(msg_id, len(ops) - 2))  # all but head and metadata
         return ops
 
     def _remove_record(self, queued: QueuedRecipient) -> list[Op]:

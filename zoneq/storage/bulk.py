@@ -73,7 +73,8 @@ class BulkMixin(StoreBase):
             # A purge of big messages (a full disk's remedy) gets the space back as a
             # delete does (``_note_dead_body``); a delivery's removal is left to LevelDB.
             prefix = keys.chunk_prefix(msg_id)
-            self._note_dead_body(msg_id, sum(1 for key, _ in deletes if key.startswith(prefix)))
+            chunks = sum(1 for key, _ in deletes if key.startswith(prefix))
+            ops.extend(self._note_dead_body(msg_id, chunks))
         if ops:
             await self._writer.submit(ops, sync=False)
         return len(chosen)

@@ -12,7 +12,7 @@ import msgpack
 from zoneq.protocol.events import Event
 from zoneq.protocol.ids import COUNTER_BITS, id_time_ms
 from zoneq.storage import keys
-from zoneq.storage.base import FAMILY_STATE, StoreBase, log
+from zoneq.storage.base import DEAD_BODIES, FAMILY_STATE, StoreBase, dead_body_key, log
 from zoneq.storage.counters import MESSAGES, domain_key, zone_key
 from zoneq.storage.holdmarks import HOLD_MARKS
 from zoneq.storage.leveldb import Op
@@ -36,6 +36,12 @@ class MaintenanceMixin(StoreBase):
         self._receiving = dict(receiving or {})
         self._counters.load(self._db)
         self._load_floors()
+        # Big bodies deleted before a stop and not compacted yet (``_note_dead_body``); after
+        # a reopen, those noted in memory whose record's write failed stay listed too.
+        self._dead_bodies.update(
+            int.from_bytes(key[len(DEAD_BODIES) :], "big")
+            for key in self._db.keys(prefix=DEAD_BODIES)
+        )
         last_message = next(self._db.keys(prefix=keys.MESSAGE, reverse=True), None)
         last_receiving = next(self._db.keys(prefix=keys.RECEIVING, reverse=True), None)
         floor = 0
@@ -104,7 +110,7 @@ class MaintenanceMixin(StoreBase):
             if self._db.get(keys.message_head(msg_id)) is None:
                 chunks = self._chunk_deletes(msg_id)
                 ops.extend(chunks)
-                self._note_dead_body(msg_id, len(chunks))
+                ops.extend(self._note_dead_body(msg_id, len(chunks)))
             ops.append((key, None))
         return ops
 
@@ -126,7 +132,9 @@ class MaintenanceMixin(StoreBase):
             start, stop = keys.message_prefix(msg_id), keys.message_prefix(msg_id + 1)
             self._db.compact_range(start, stop)
             self._db.compact_range(start, stop)
-            self._dead_bodies.discard(msg_id)  # after it: a failed one is tried next round
+            # After it: a failed one is tried next round, or after a restart.
+            self._db.write([(dead_body_key(msg_id), None)], sync=False)
+            self._dead_bodies.discard(msg_id)
             self.space.free_bytes(fresh=True)  # the space is back: intake sees it at once
 
     async def trim_events(self, before_ms: int, limit: int = 50_000) -> int:

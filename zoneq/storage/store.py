@@ -214,8 +214,8 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             staged = self._receiving.pop(msg_id, 0)
         chunks = max(staged, len(ops))
         ops.append((keys.receiving(msg_id), None))
+        ops.extend(self._note_dead_body(msg_id, chunks))
         await self._writer.submit(ops, sync=False)
-        self._note_dead_body(msg_id, chunks)
 
     def _chunks_gone(self, msg_id: int) -> list[Op]:
         """Deletes of every chunk of a message being received: those staged (not on disk
