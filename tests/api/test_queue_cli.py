@@ -4,11 +4,13 @@ as a person runs them: real subprocesses of the command line against a real ``zo
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import wcwidth
 
 from tests.api.test_serve_cli import CLI_TIMEOUT_S, ok, zoneq
 from tests.support.bed import ok_test_bed
@@ -118,3 +120,39 @@ def test_check_config_of_good_files_is_ok_and_exits_0(tmp_path: Path) -> None:
         done = check_config(*args)
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip().endswith(": ok"), done.stdout
+
+
+def test_names_in_any_spelling_and_json_errors_on_a_real_serve(tmp_path: Path) -> None:
+    """Zones, ids and domains as typed (a U-label, an accent, a space, a slash) reach the
+    API as one path segment each; with --json a refusal is the API's JSON on stdout; a
+    table stays aligned around wide and combining characters."""
+    message = tmp_path / "msg.eml"
+    message.write_bytes(b"From: a@src.test\r\nSubject: wide\r\n\r\nx\r\n")
+    wide = "\u674e@\u4f8b\u5b50.\u6d4b\u8bd5"  # 12 columns in 7 code points
+    with ok_test_bed(tmp_path) as (_, config), running_serve(config, tmp_path / "serve.log"):
+        ok(config, "queue", "pause", "default")
+        rcpts = (wide, "e\u0301@ok.test", "bob@b\u00fccher.example")
+        queued = ok(config, "send", str(message), *(a for r in rcpts for a in ("--to", r)))
+        assert ok(config, "queue", "retry", "--domain", "b\u00fccher.example") == {"count": 0}
+
+        for zone in ("d\u00e9fault", "no such zone"):
+            done = zoneq(config, "queue", "browse", zone, "--json")
+            assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+            # The server decoded the name as typed: it says so in its own JSON body.
+            assert json.loads(done.stdout) == {
+                "error": {"status": 404, "message": f"no zone {zone!r}"}
+            }
+            assert done.stderr == f"zoneq: no zone {zone!r} (404)\n"
+        # A slash in an id stays in the id: it cannot reach the zone's endpoint.
+        sneaky = zoneq(config, "queue", "hold", "../zones/default", "--json")
+        assert sneaky.returncode == 1 and json.loads(sneaky.stdout)["error"]["status"] in (400, 404)
+        assert ok(config, "queue", "counts")["zones"]["default"]["held"] == 0
+
+        # Every row's "ready" column starts at the same terminal column.
+        browsed = zoneq(config, "queue", "browse", "default")
+        assert browsed.returncode == 0, browsed.stderr
+        lines = browsed.stdout.splitlines()
+        starts = {wcwidth.width(line[: line.index("  ready")]) for line in lines[1:]}
+        assert len(lines) == 4 and len(starts) == 1, browsed.stdout
+        assert wcwidth.width(lines[0][: lines[0].index("state")]) == starts.pop() + 2
+        assert ok(config, "queue", "delete", queued["id"]) == {"count": 3}

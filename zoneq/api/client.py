@@ -2,7 +2,13 @@
 
 The standard library's ``http.client`` is enough: one request at a time, a file uploaded
 from disk in blocks with its Content-Length (never read whole), a source written to a file
-as it arrives.  Errors come back as ``ApiError`` carrying the API's status and message.
+as it arrives.  Errors come back as ``ApiError`` carrying the API's status, message and
+JSON body (status 0: no HTTP answer at all), or as ``InvalidRequest`` when the caller's
+input cannot be put into an HTTP request; nothing else escapes for bad input.
+
+Every variable part of a path goes through ``quoted_path``: percent-encoded whole, so a zone, a
+message id or a U-label domain is one segment however it is spelt (``bücher.example``,
+``no such zone``, ``../zones/default``), as the API's router decodes it.
 """
 
 from __future__ import annotations
@@ -12,17 +18,46 @@ import json
 import shutil
 from pathlib import Path
 from typing import IO, Any, Final
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 BLOCK: Final = 65_536
 TIMEOUT_S: Final = 300.0  # a purge of millions of recipients takes a while
 
 
+# Segments that RFC 3986 section 5.2.4 removes or merges while normalizing a path, so they
+# would reach another resource than the one named: refused rather than sent.
+_NOT_A_SEGMENT: Final = frozenset({"", ".", ".."})
+
+
 class ApiError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    """The API refused (its status, message and JSON error body) or gave no usable answer
+    (status 0, body None)."""
+
+    def __init__(self, status: int, message: str, body: Any = None) -> None:
         super().__init__(f"{status}: {message}")
         self.status = status
         self.message = message
+        self.body = body
+
+    def json(self) -> Any:
+        """The API's JSON error body as it came; without one, the same shape made here."""
+        if self.body is not None:
+            return self.body
+        return {"error": {"status": self.status, "message": self.message}}
+
+
+class InvalidRequest(ValueError):
+    """The caller's input cannot be sent as an HTTP request (an empty or dot path segment,
+    a token HTTP cannot carry, an unusable host name); nothing was sent."""
+
+
+def quoted_path(*segments: str) -> str:
+    """``/seg/seg...``, each segment percent-encoded whole (RFC 3986 section 3.3: UTF-8,
+    and "/", "?", "#", "%" and spaces encoded too), so it cannot split or end the path."""
+    for segment in segments:
+        if segment in _NOT_A_SEGMENT:
+            raise InvalidRequest(f"{segment!r} cannot name a zone, a message or a domain")
+    return "".join("/" + quote(segment, safe="") for segment in segments)
 
 
 class ApiClient:
@@ -41,9 +76,13 @@ class ApiClient:
         headers: dict[str, str],
     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         target = path + ("?" + urlencode(query) if query else "")
-        connection = http.client.HTTPConnection(
-            self.host, self.port, timeout=self.timeout, blocksize=BLOCK
-        )
+        where = f"{self.host}:{self.port}"
+        try:
+            connection = http.client.HTTPConnection(
+                self.host, self.port, timeout=self.timeout, blocksize=BLOCK
+            )
+        except http.client.InvalidURL as exc:  # a host with a space or a control character
+            raise InvalidRequest(f"cannot send a request to {where}: {exc}") from exc
         try:
             connection.request(
                 method,
@@ -52,13 +91,21 @@ class ApiClient:
                 headers={"Authorization": f"Bearer {self.token}", **headers},
             )
             response = connection.getresponse()
-        except OSError as exc:
+        except http.client.InvalidURL as exc:  # a path http.client will not send
             connection.close()
-            raise ApiError(0, f"cannot reach the API at {self.host}:{self.port}: {exc}") from exc
+            raise InvalidRequest(f"cannot send a request to {where}: {exc}") from exc
+        except (OSError, http.client.HTTPException) as exc:  # refused, timed out, not HTTP
+            connection.close()
+            raise ApiError(0, f"cannot reach the API at {where}: {exc}") from exc
+        except ValueError as exc:
+            # Refused before sending: a header value outside Latin-1 or with a control
+            # character (RFC 9110 section 5.5), a host name the idna codec cannot encode.
+            connection.close()
+            raise InvalidRequest(f"cannot send a request to {where}: {exc}") from exc
         if response.status >= 400:
             text = response.read()
             connection.close()
-            raise ApiError(response.status, _message(text, response.reason))
+            raise ApiError(response.status, *_error(text, response.reason))
         return connection, response
 
     def call(
@@ -99,9 +146,13 @@ class ApiClient:
             connection.close()
 
 
-def _message(text: bytes, reason: str) -> str:
+def _error(text: bytes, reason: str) -> tuple[str, Any]:
+    """An error answer's message and its JSON body (None if it is not JSON)."""
     try:
         body = json.loads(text)
-        return str(body["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return reason
+    except ValueError:
+        return reason, None
+    try:
+        return str(body["error"]["message"]), body
+    except (KeyError, TypeError):
+        return reason, body

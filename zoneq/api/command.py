@@ -5,7 +5,12 @@ Like Postfix's ``postqueue -p`` / ``postsuper``: tables for people, ``--json`` f
 (``api.listen``; ``api.token``, ``api.token_file`` or the generated ``api.token`` in the data
 directory), overridden by ``ZONEQ_API`` / ``ZONEQ_API_TOKEN`` and then by ``--api`` /
 ``--token``.  Exit status: 0 done, 1 the API refused or could not be reached, 2 bad usage or
-configuration.
+configuration.  With ``--json`` a failure of the API's (status 1) prints the API's JSON error
+body on stdout as well, or ``{"error": {"status": 0, "message": ...}}`` in the same shape
+when there was no answer, so a script always has JSON to parse; the line on stderr stays.
+
+Tables are sized by display width (``wcwidth``): a CJK character takes two terminal columns
+and a combining mark none, so ``len`` would misalign every column after such a cell.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
-from zoneq.api.client import ApiClient, ApiError
+import wcwidth
+
+from zoneq.api.client import ApiClient, ApiError, InvalidRequest, quoted_path
 from zoneq.api.token import find_token
 from zoneq.config import load_config
 from zoneq.config.model import split_listen
@@ -41,7 +48,10 @@ def client_from(args: argparse.Namespace) -> ApiClient:
     except ConfigError as exc:
         raise UsageError(f"configuration error:\n{exc}") from exc
     listen = args.api or os.environ.get(ENV_API) or config.api.listen
-    host, port = split_listen(listen)
+    try:
+        host, port = split_listen(listen)
+    except ValueError as exc:
+        raise UsageError(f"--api / {ENV_API}: {exc}") from exc
     if host in ("0.0.0.0", "::"):  # the API listens everywhere: talk to it on loopback
         host = "127.0.0.1"
     try:
@@ -71,8 +81,10 @@ def printable(value: object) -> str:
 
 def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     cells = [list(map(printable, header))] + [[printable(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    widths = [max(wcwidth.width(row[i]) for row in cells) for i in range(len(header))]
+    lines = [
+        "  ".join(wcwidth.ljust(c, w) for c, w in zip(row, widths, strict=True)) for row in cells
+    ]
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -117,7 +129,7 @@ def _browse(api: ApiClient, args: argparse.Namespace) -> Result:
     query = [("state", args.state), ("limit", str(args.limit))]
     if args.cursor:
         query.append(("cursor", args.cursor))
-    body = api.call("GET", f"{V1}/zones/{args.zone}/recipients", query=query)
+    body = api.call("GET", V1 + quoted_path("zones", args.zone, "recipients"), query=query)
     text = _recipient_rows(body["recipients"])
     if body["cursor"]:
         text += f"\nmore: --cursor {body['cursor']}"
@@ -125,7 +137,7 @@ def _browse(api: ApiClient, args: argparse.Namespace) -> Result:
 
 
 def _show(api: ApiClient, args: argparse.Namespace) -> Result:
-    body = api.call("GET", f"{V1}/messages/{args.id}")
+    body = api.call("GET", V1 + quoted_path("messages", args.id))
     lines = [
         f"message   {body['id']}",
         f"sender    <{printable(body['sender'])}>",
@@ -140,11 +152,12 @@ def _show(api: ApiClient, args: argparse.Namespace) -> Result:
 
 
 def _source(api: ApiClient, args: argparse.Namespace) -> Result:
+    source = V1 + quoted_path("messages", args.id, "source")
     if args.output:
         with Path(args.output).open("wb") as out:
-            api.download(f"{V1}/messages/{args.id}/source", out)
+            api.download(source, out)
     else:
-        api.download(f"{V1}/messages/{args.id}/source", sys.stdout.buffer)
+        api.download(source, sys.stdout.buffer)
         sys.stdout.buffer.flush()
     return None, ""
 
@@ -155,7 +168,7 @@ def _counted(verb: str) -> Callable[[Any], str]:
 
 def _delete(api: ApiClient, args: argparse.Namespace) -> Result:
     query = [("recipient", args.recipient)] if args.recipient else None
-    body = api.call("DELETE", f"{V1}/messages/{args.id}", query=query)
+    body = api.call("DELETE", V1 + quoted_path("messages", args.id), query=query)
     return body, _counted("deleted")(body)
 
 
@@ -179,7 +192,9 @@ def _purge(api: ApiClient, args: argparse.Namespace) -> Result:
 def _target(args: argparse.Namespace, verb: str) -> str:
     if bool(args.id) == bool(args.zone):
         raise UsageError(f"{verb}: give a message id or --zone, one of them")
-    return f"{V1}/messages/{args.id}/{verb}" if args.id else f"{V1}/zones/{args.zone}/{verb}"
+    return V1 + (
+        quoted_path("messages", args.id, verb) if args.id else quoted_path("zones", args.zone, verb)
+    )
 
 
 def _retry(api: ApiClient, args: argparse.Namespace) -> Result:
@@ -191,7 +206,7 @@ def _retry(api: ApiClient, args: argparse.Namespace) -> Result:
         # rather than silently retrying more than the operator asked for.
         raise UsageError("retry: --domain goes with --zone or alone, not with a message id")
     if args.domain and not args.zone and not args.id:
-        body = api.call("POST", f"{V1}/domains/{args.domain}/retry")
+        body = api.call("POST", V1 + quoted_path("domains", args.domain, "retry"))
     else:
         query = [("domain", args.domain)] if args.domain and args.zone else None
         body = api.call("POST", _target(args, "retry"), query=query)
@@ -212,12 +227,12 @@ def _release(api: ApiClient, args: argparse.Namespace) -> Result:
 
 
 def _pause(api: ApiClient, args: argparse.Namespace) -> Result:
-    body = api.call("POST", f"{V1}/zones/{args.zone}/pause")
+    body = api.call("POST", V1 + quoted_path("zones", args.zone, "pause"))
     return body, f"zone {args.zone} paused"
 
 
 def _resume(api: ApiClient, args: argparse.Namespace) -> Result:
-    body = api.call("POST", f"{V1}/zones/{args.zone}/resume")
+    body = api.call("POST", V1 + quoted_path("zones", args.zone, "resume"))
     return body, f"zone {args.zone} resumed"
 
 
@@ -242,10 +257,14 @@ def run_action(action: Callable[[ApiClient, argparse.Namespace], Result]) -> Cal
     def run(args: argparse.Namespace) -> int:
         try:
             body, text = action(client_from(args), args)
-        except UsageError as exc:
+        except (UsageError, InvalidRequest) as exc:
+            # The command line is wrong, not the API: like argparse's own usage errors,
+            # nothing on stdout.
             print(f"zoneq: {exc}", file=sys.stderr)
             return 2
         except ApiError as exc:
+            if args.json:  # a script parses stdout: the API's own error body, not nothing
+                print(json.dumps(exc.json(), indent=2))
             print(f"zoneq: {printable(exc.message)} ({exc.status})", file=sys.stderr)
             return 1
         if args.json and body is not None:
