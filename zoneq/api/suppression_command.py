@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
-from zoneq.api.client import ApiClient
+from zoneq.api.client import ApiClient, quoted_path
 from zoneq.api.command import V1, Result, UsageError, connection_options, run_action, table
 
 BATCH: Final = 10_000  # addresses per add request: each request rewrites the file once
@@ -22,7 +22,7 @@ PAGE: Final = 1000  # the API's largest page
 
 
 def _path(zone: str) -> str:
-    return f"{V1}/suppression/{zone}"
+    return V1 + quoted_path("suppression", zone)  # a zone name is one segment, whatever it holds
 
 
 def _addresses(args: argparse.Namespace) -> list[str]:
