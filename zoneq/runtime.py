@@ -107,7 +107,10 @@ async def maintain(store: QueueStore, config: Config) -> None:
     """One round of housekeeping; a storage fault is logged and retried next round."""
     try:
         swept = await store.sweep(now_ms(), config.storage.receive_timeout_ms)
-        trimmed = await store.trim_expired_events(now_ms() - config.storage.event_retention_ms)
+        # Clamped at 0: a retention longer than the time since 1970 (up to the 100 years a
+        # duration may be) keeps everything, and a negative time cannot be packed in a key.
+        cutoff = max(0, now_ms() - config.storage.event_retention_ms)
+        trimmed = await store.trim_expired_events(cutoff)
         store.compact()
         if store.space.restore():
             log.info("recovery reserve of %d bytes in place", store.space.reserve)

@@ -282,6 +282,114 @@ BAD = [
         id="no-zones",
     ),
     pytest.param("zones = {}\n", "zones", "no zones defined", id="empty-zones"),
+    # Issue 4: values check-config used to pass and serve then crashed or misbehaved on.
+    pytest.param(
+        '[storage]\nevent_retention = "100000d"\n' + ZONES,
+        "storage.event_retention",
+        "duration '100000d' is longer than 100 years: at most '36500d'",
+        id="duration-past-the-ceiling",
+    ),
+    pytest.param(
+        f'[storage]\nevent_retention = "{"9" * 30}d"\n' + ZONES,
+        "storage.event_retention",
+        "is longer than 100 years: at most '36500d'",
+        id="duration-of-30-digits",
+    ),
+    pytest.param(
+        '[delivery]\nnameservers = ["127.0.0.1", "not-an-ip"]\n' + ZONES,
+        "delivery.nameservers[1]",
+        "invalid IP address 'not-an-ip'",
+        id="nameserver-not-an-address",
+    ),
+    *(
+        pytest.param(
+            f'[{section}]\n{key} = ""\n' + ZONES,
+            f"{section}.{key}",
+            "must not be empty",
+            id=f"empty-{key}",
+        )
+        for section, key in (
+            ("server", "data_dir"),
+            ("server", "ipc_socket"),
+            ("api", "token_file"),
+            ("receiver", "tls_cert"),
+            ("receiver", "tls_key"),
+        )
+    ),
+    pytest.param(
+        "[zones.default]\nconnections = 99999999999999\n[zones.bounces]\n",
+        "zones.default.connections",
+        "must be 1000 or less, got integer 99999999999999",
+        id="connections-unbounded",
+    ),
+    pytest.param(
+        "[zones.default]\nprocesses = 65\n[zones.bounces]\n",
+        "zones.default.processes",
+        "must be 64 or less, got integer 65",
+        id="processes-unbounded",
+    ),
+    pytest.param(
+        f'[server]\nipc_socket = "/run/{"s" * 103}"\n' + ZONES,
+        "server.ipc_socket",
+        "is 108 bytes, and a Unix socket path may have at most 107",
+        id="ipc-socket-past-sun-path",
+    ),
+    pytest.param(
+        '[api]\nlisten = "no such host:8025"\n' + ZONES,
+        "api.listen",
+        "the host must be an IP address or 'localhost'",
+        id="listen-host-not-an-address",
+    ),
+    pytest.param(
+        '[receiver]\nlisten = "2001:db8::25"\n' + ZONES,
+        "receiver.listen",
+        "an IPv6 address goes in brackets and is followed by a port",
+        id="listen-ipv6-unbracketed",
+    ),
+    pytest.param(
+        '[api]\nlisten = "127.0.0.1:2525"\n' + ZONES,
+        "api.listen",
+        "the same address as receiver.listen (127.0.0.1:2525): use another port",
+        id="api-on-the-receivers-address",
+    ),
+    pytest.param(
+        '[api]\nlisten = "localhost:2525"\n[receiver]\nlisten = "0.0.0.0:2525"\n' + ZONES,
+        "api.listen",
+        "the same address as receiver.listen (0.0.0.0:2525)",
+        id="api-on-the-receivers-wildcard",
+    ),
+    pytest.param(
+        '[receiver]\ntls_cert = "/nonexistent/cert.pem"\ntls_key = "/nonexistent/key.pem"\n'
+        + ZONES,
+        "receiver.tls_cert",
+        "cannot read /nonexistent/cert.pem: no such file",
+        id="tls-cert-missing-names-the-path",
+    ),
+    pytest.param(
+        '[zones.default]\nretry = "15m | 40000d"\n[zones.bounces]\n',
+        "zones.default.retry",
+        "entry 2: duration '40000d' is longer than 100 years: at most '36500d'",
+        id="retry-interval-past-the-ceiling",
+    ),
+    *(
+        pytest.param(
+            f"[{section}]\n{key} = {value}\n" + ZONES,
+            f"{section}.{key}",
+            f'expected an integer number of bytes or a string like "50MiB", got {got}',
+            id=f"size-{key}-{got.split()[0]}",
+        )
+        for section, key, value, got in (
+            ("receiver", "max_message_size", "true", "boolean true"),
+            ("storage", "min_free", "1000.7", "float 1000.7"),
+            ("storage", "reserve", '"lots"', 'string "lots"'),
+        )
+    ),
+    pytest.param(
+        '[storage]\nreserve = "1KiB"\n' + ZONES,
+        "storage.reserve",
+        "1024 bytes is too small to recover with: 0 for none, or at least 8MiB",
+        id="reserve-too-small",
+    ),
 ]
 
 
@@ -432,3 +540,22 @@ def test_a_bad_tls_policy_names_the_key() -> None:
             "[zones.default]\n[zones.bounces]\n"
         )
     assert caught.value.key.startswith("delivery.tls_policy")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[storage]\nreserve = 0\nevent_retention = "36500d"\n',
+        '[storage]\nreserve = "8MiB"\n',
+        '[delivery]\nnameservers = ["127.0.0.1", "::1"]\n',
+        '[receiver]\nlisten = "[::1]:2525"\n[api]\nlisten = "localhost:8025"\n',
+        '[receiver]\nlisten = "0.0.0.0:25"\n[api]\nlisten = "127.0.0.1:8025"\n',
+        # The API off holds no port, so it cannot collide with the receiver.
+        '[receiver]\nlisten = "127.0.0.1:2525"\n'
+        '[api]\nenabled = false\nlisten = "127.0.0.1:2525"\n',
+        '[receiver]\nlisten = "127.0.0.1:0"\n[api]\nlisten = "127.0.0.1:0"\n',
+        f'[server]\nipc_socket = "/run/{"s" * 102}"\n',  # 107 bytes: the most sun_path holds
+    ],
+)
+def test_the_limits_themselves_are_accepted(text: str) -> None:
+    loads_config(text + ZONES)

@@ -25,6 +25,7 @@ from pydantic_core import ErrorDetails
 
 from zoneq.config.model import PROBLEMS_ERROR_TYPE, Config
 from zoneq.config.plugins import PluginConfig, PluginImportError, import_plugin, plugin_options
+from zoneq.config.types import SIZE_EXPECTED
 from zoneq.errors import ConfigError
 
 __all__ = [
@@ -235,6 +236,11 @@ _EXPECTED: Final[dict[str, str]] = {
     "model_attributes_type": "a table",
     "dict_type": "a table",
     "list_type": "an array",
+    # ByteSize's own "could not parse value and unit from byte string" says what is wrong,
+    # not what would be right.
+    "byte_size": SIZE_EXPECTED,
+    "byte_size_unit": SIZE_EXPECTED,
+    "size": SIZE_EXPECTED,
 }
 
 _BOUNDS: Final[dict[str, tuple[str, str]]] = {

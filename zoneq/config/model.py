@@ -37,20 +37,26 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from zoneq.config.listen import ListenAddress, same_listener, split_listen
 from zoneq.config.plugins import PluginConfig, PluginName
 from zoneq.config.reply_rules import ReplyRulesConfig
 from zoneq.config.routing import HeaderName, RoutingRule, unknown_rule_zones
 from zoneq.config.types import (
+    MAX_DURATION,
     PROBLEMS_ERROR_TYPE,
     Duration,
     HostName,
     Network,
+    NonEmptyPath,
+    Size,
+    SocketPath,
     ZoneName,
     domain_keys,
+    duration_ceiling_problem,
     problems_error,
 )
 from zoneq.config.types import Section as _Section
-from zoneq.config.zones import ConnectionLimits, Pool, Rate, Smarthost, parse_rate
+from zoneq.config.zones import ConnectionLimits, IpAddress, Pool, Rate, Smarthost, parse_rate
 from zoneq.protocol.domains import bare_domain
 from zoneq.protocol.retry import (
     BOUNCE_MAX_AGE,
@@ -74,11 +80,23 @@ __all__ = [
     "ZoneConfig",
     "ZoneName",
     "problems_error",
+    "split_listen",
 ]
 
-# Loose enough for any retry schedule an operator would write, and still a valid duration,
-# so a retry spec can be checked on its own without its max age interfering.
-_UNBOUNDED_MAX_AGE: Final = "36500d"
+# The longest max age any key takes, so a retry spec can be checked on its own without its
+# max age interfering (its intervals are held to the same ceiling first).
+_UNBOUNDED_MAX_AGE: Final = MAX_DURATION
+
+# LevelDB's write buffer in zoneq.storage.leveldb (8 MiB): reopening a full queue flushes up
+# to one memtable, so a smaller reserve frees too little to let the queue open and drain.
+MIN_RESERVE: Final = 8 << 20
+
+
+def _check_reserve(value: ByteSize) -> ByteSize:
+    if 0 < value < MIN_RESERVE:
+        reason = f"{value} bytes is too small to recover with: 0 for none, or at least 8MiB"
+        raise PydanticCustomError("reserve", "{reason}", {"reason": reason})
+    return value
 
 
 class ServerConfig(_Section):
@@ -87,11 +105,10 @@ class ServerConfig(_Section):
     hostname: HostName | None = None
     """EHLO and Reporting-MTA name; None means the machine's FQDN, looked up at start-up."""
 
-    # Not strict: TOML has no path type, so the path arrives as a string.
-    data_dir: Annotated[Path, Field(strict=False)] = Path("data/queue")
+    data_dir: NonEmptyPath = Path("data/queue")
     """The LevelDB queue directory; a relative path is relative to the working directory."""
 
-    ipc_socket: Annotated[Path, Field(strict=False)] = Path("data/zoneq.sock")
+    ipc_socket: SocketPath = Path("data/zoneq.sock")
     """The Unix socket the core serves its zone workers on (mode 0600)."""
 
     def resolved_hostname(self) -> str:
@@ -121,13 +138,14 @@ class StorageConfig(_Section):
     receive_timeout: Duration = "10m"
     """Chunks of a message not committed within this time are swept."""
 
-    min_free: ByteSize = ByteSize(256 << 20)
+    min_free: Size = ByteSize(256 << 20)
     """New mail is refused (452 4.3.1) while the queue's file system has less free space than
     this, so intake never fills the disk and deliveries go on (Postfix's queue_minfree)."""
 
-    reserve: ByteSize = ByteSize(64 << 20)
+    reserve: Annotated[Size, AfterValidator(_check_reserve)] = ByteSize(64 << 20)
     """A file of this size kept in the queue directory and released if the disk fills anyway,
-    so LevelDB can reopen and the queue can drain; at least 4x the 16 MiB write buffer."""
+    so LevelDB can reopen and the queue can drain; 0 for none, otherwise at least 8 MiB
+    (one LevelDB write buffer, the memtable that a reopen flushes: ``_check_reserve``)."""
 
     @property
     def event_retention_ms(self) -> int:
@@ -145,11 +163,13 @@ class StorageConfig(_Section):
 class ZoneConfig(_Section):
     """``[zones.<name>]``: one delivery zone, served by its own worker processes."""
 
-    processes: Annotated[int, Field(ge=1)] = 1
-    """Worker processes for this zone."""
+    processes: Annotated[int, Field(ge=1, le=64)] = 1
+    """Worker processes for this zone (at most 64, as for ``receiver.processes``)."""
 
-    connections: Annotated[int, Field(ge=1)] = 10
-    """Concurrent outbound SMTP connections per process."""
+    connections: Annotated[int, Field(ge=1, le=1000)] = 10
+    """Concurrent outbound SMTP connections per process.  At most 1000: each is a delivery
+    loop (about 5 KiB of memory) and a socket, and the default soft limit of open files is
+    1024 per process (zoneq does not raise it); more processes give more connections."""
 
     retry: str = DEFAULT_SCHEDULE
     """Retry intervals separated by ``|``; the last one repeats until ``max_age``."""
@@ -185,6 +205,16 @@ class ZoneConfig(_Section):
     def _check_retry(cls, value: str) -> str:
         # Checked with a max age that cannot be too short, so that a fault reported here is
         # a fault of the spec itself; the pair is checked below and blamed on max_age.
+        # An interval past that max age is one past the ceiling of every duration: said so
+        # in the operator's words rather than as a max age of 3153600000000 ms.
+        for index, entry in enumerate(value.split("|"), start=1):
+            try:
+                too_long = duration_ceiling_problem(entry, parse_duration(entry))
+            except ValueError:
+                continue  # RetrySchedule.parse says what is wrong with it
+            if too_long is not None:
+                reason = f"retry schedule {value!r}: entry {index}: {too_long}"
+                raise PydanticCustomError("retry_schedule", "{reason}", {"reason": reason})
         try:
             RetrySchedule.parse(value, _UNBOUNDED_MAX_AGE)
         except ValueError as exc:
@@ -239,7 +269,7 @@ class DeliveryConfig(_Section):
     mx_port: Annotated[int, Field(ge=1, le=65535)] = 25
     """Port of the MX hosts (MX records carry none; tests use a high port on 127.0.0.x)."""
 
-    nameservers: list[str] = Field(default_factory=list)
+    nameservers: list[IpAddress] = Field(default_factory=list)
     """Resolver addresses for MX lookups; empty: the ones in /etc/resolv.conf at start-up."""
 
     dns_port: Annotated[int, Field(ge=1, le=65535)] = 53
@@ -328,27 +358,6 @@ class RoutingConfig(_Section):
         return parse_duration(self.delay_warning)
 
 
-def _check_listen(value: str) -> str:
-    try:
-        split_listen(value)
-    except ValueError as exc:
-        raise PydanticCustomError("listen", "{reason}", {"reason": str(exc)}) from None
-    return value
-
-
-def split_listen(value: str) -> tuple[str, int]:
-    """``"host:port"`` (``"[::1]:25"`` for IPv6) as ``(host, port)``; ``ValueError`` if not."""
-    host, colon, port_text = value.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not colon or not host or not port_text.isascii() or not port_text.isdigit():
-        raise ValueError(f"invalid listen address {value!r}: expected 'host:port'")
-    port = int(port_text)
-    if port > 65535:
-        raise ValueError(f"invalid listen address {value!r}: port must be 0-65535")
-    return host, port
-
-
 # The stored form of receiver.auth_users values (scrypt, RFC 7914); the receiver reads the values.
 _PASSWORD_HASH: Final = re.compile(
     r"scrypt\$ln=[0-9]{1,2},r=[0-9]{1,2},p=[0-9]{1,2}\$[A-Za-z0-9+/]+\$[A-Za-z0-9+/]+"
@@ -371,25 +380,13 @@ def _check_postmaster(value: str) -> str:
     return value
 
 
-def _same_listener(one: tuple[str, int], other: tuple[str, int]) -> bool:
-    """Whether two listen addresses would bind the same port (port 0 is always a new one;
-    a wildcard host takes the port on every address)."""
-    wildcard = ("0.0.0.0", "::")
-    same_host = one[0] == other[0] or one[0] in wildcard or other[0] in wildcard
-    return one[1] == other[1] != 0 and same_host
-
-
-ListenAddress = Annotated[str, AfterValidator(_check_listen)]
-"""``host:port`` to listen on; ``[::1]:25`` for IPv6; port 0 picks a free port (tests)."""
-
-
 class ReceiverConfig(_Section):
     """``[receiver]``: the SMTP server that accepts mail into the queue."""
 
     listen: ListenAddress = "127.0.0.1:2525"
     """Address and port the SMTP receiver listens on."""
 
-    max_message_size: Annotated[ByteSize, Field(gt=0)] = ByteSize(50 << 20)
+    max_message_size: Annotated[Size, Field(gt=0)] = ByteSize(50 << 20)
     """Largest message accepted (announced as SIZE, RFC 1870); larger ones get 552 5.3.4.
     Not 0: "SIZE 0" in EHLO would tell clients there is no limit (RFC 1870 section 4)."""
 
@@ -434,11 +431,10 @@ class ReceiverConfig(_Section):
     (a command, or the text after 354) must complete within ``idle_timeout`` plus this
     credit, so a trickle cannot hold a session for ever (Postfix's smtpd_min_data_rate)."""
 
-    # Not strict: TOML has no path type.
-    tls_cert: Annotated[Path | None, Field(strict=False)] = None
+    tls_cert: NonEmptyPath | None = None
     """PEM certificate chain for STARTTLS (RFC 3207); unset: STARTTLS is not offered."""
 
-    tls_key: Annotated[Path | None, Field(strict=False)] = None
+    tls_key: NonEmptyPath | None = None
     """PEM private key of ``tls_cert``."""
 
     tls_listen: ListenAddress | None = None
@@ -469,8 +465,11 @@ class ReceiverConfig(_Section):
                 ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
                     self.tls_cert, self.tls_key
                 )
-            except FileNotFoundError as exc:
-                problems.append((("tls_cert",), f"cannot read {exc.filename}: no such file"))
+            except FileNotFoundError:
+                # ssl gives no file name (exc.filename is None): name the configured ones.
+                for key, path in (("tls_cert", self.tls_cert), ("tls_key", self.tls_key)):
+                    if not path.is_file():
+                        problems.append(((key,), f"cannot read {path}: no such file"))
             except (OSError, ssl.SSLError) as exc:
                 text = f"the certificate and key do not load as a pair: {exc}"
                 problems.append((("tls_cert",), text))
@@ -487,7 +486,7 @@ class ReceiverConfig(_Section):
         problems = []
         if self.tls_cert is None:
             problems.append("implicit TLS needs a certificate: set tls_cert and tls_key")
-        if self.tls_listen_address is not None and _same_listener(
+        if self.tls_listen_address is not None and same_listener(
             self.listen_address, self.tls_listen_address
         ):
             problems.append(f"the same address as listen ({self.listen}): use another port")
@@ -526,8 +525,7 @@ class ApiConfig(_Section):
     """The bearer token clients must send.  Unset (and no ``token_file``): one is generated at
     first start into ``<server.data_dir>/api.token`` (mode 0600) and its path is logged."""
 
-    # Not strict: TOML has no path type, so the path arrives as a string.
-    token_file: Annotated[Path, Field(strict=False)] | None = None
+    token_file: NonEmptyPath | None = None
     """A file holding the token (its first line), instead of ``token`` in the config."""
 
     @field_validator("token")
@@ -599,9 +597,25 @@ class Config(_Section):
                 problems.append((("routing", "bounce_max_age"), text))
         for rule_key, text in unknown_rule_zones(self.routing.rules, self.zones):
             problems.append((("routing", *rule_key), text))
+        problems += self._api_listen_problems()
         if problems:
             raise problems_error(*problems)
         return self
+
+    def _api_listen_problems(self) -> list[tuple[tuple[str | int, ...], str]]:
+        # The receiver binds before the API, so serve would fail "address already in use"
+        # on its own listener: the same rule as receiver.tls_listen against listen.
+        if not self.api.enabled:
+            return []
+        receiver = self.receiver
+        return [
+            (("api", "listen"), f"the same address as receiver.{key} ({text}): use another port")
+            for key, text, address in (
+                ("listen", receiver.listen, receiver.listen_address),
+                ("tls_listen", receiver.tls_listen, receiver.tls_listen_address),
+            )
+            if address is not None and same_listener(self.api.listen_address, address)
+        ]
 
     @property
     def bounce_schedule(self) -> RetrySchedule:

@@ -8,21 +8,28 @@ modules: one direction of import, no cycle.
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
+from pathlib import Path
 from typing import Annotated, Final, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ByteSize, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
 from zoneq.protocol.domains import a_label
 from zoneq.protocol.retry import parse_duration
 
 __all__ = [
+    "MAX_DURATION",
     "PROBLEMS_ERROR_TYPE",
+    "SIZE_EXPECTED",
     "Duration",
     "HostName",
     "Network",
+    "NonEmptyPath",
     "Section",
+    "Size",
+    "SocketPath",
     "TimeLimit",
     "ZoneName",
     "domain_keys",
@@ -98,11 +105,28 @@ def domain_keys(value: dict[str, _V]) -> dict[str, _V]:
     return out
 
 
+MAX_DURATION: Final = "36500d"
+"""The longest duration any key takes: 100 years, an operator's "for ever".  Without a
+ceiling, "100000d" passes here and then breaks arithmetic on wall-clock milliseconds (a
+retention cut-off before 1970, a packed key that no longer fits its field)."""
+MAX_DURATION_MS: Final = parse_duration(MAX_DURATION)
+
+
+def duration_ceiling_problem(value: str, ms: int) -> str | None:
+    """Why ``value`` (``ms`` long) is too long for any key, or None if it is not."""
+    if ms <= MAX_DURATION_MS:
+        return None
+    return f"duration {value.strip()!r} is longer than 100 years: at most {MAX_DURATION!r}"
+
+
 def _check_duration(value: str) -> str:
     try:
         ms = parse_duration(value)
     except ValueError as exc:
         raise PydanticCustomError("duration", "{reason}", {"reason": str(exc)}) from None
+    too_long = duration_ceiling_problem(value, ms)
+    if too_long is not None:
+        raise PydanticCustomError("duration", "{reason}", {"reason": too_long})
     # parse_duration accepts zero; none of the durations configured here means anything
     # at zero (a zero sweep interval would spin, a zero retention would keep nothing).
     if ms == 0:
@@ -168,6 +192,42 @@ def _check_network(value: str) -> str:
     return value
 
 
+def _non_empty_path(value: object) -> object:
+    # Checked before pydantic makes a Path: Path("") is ".", so an empty string would
+    # silently mean "the directory zoneq was started from".
+    if isinstance(value, str) and not value.strip():
+        raise PydanticCustomError("path", "{reason}", {"reason": "must not be empty"})
+    return value
+
+
+# unix(7): sun_path is 108 bytes, one of them the terminating NUL.
+MAX_SOCKET_PATH: Final = 107
+
+
+def _check_socket_path(value: Path) -> Path:
+    # The path is bound as written (a relative one against the working directory, which
+    # is the same for the core and its workers), so its own length is what the kernel sees.
+    length = len(os.fsencode(value))
+    if length > MAX_SOCKET_PATH:
+        reason = (
+            f"{str(value)!r} is {length} bytes, and a Unix socket path may have at most "
+            f"{MAX_SOCKET_PATH} (unix(7)): use a shorter path"
+        )
+        raise PydanticCustomError("socket_path", "{reason}", {"reason": reason})
+    return value
+
+
+SIZE_EXPECTED: Final = 'an integer number of bytes or a string like "50MiB"'
+
+
+def _size_input(value: object) -> object:
+    # ByteSize would read true as 1 and 1000.0 as 1000, and say only "could not parse
+    # value and unit" of 1000.7; TOML has integers, so a size is one or a string.
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise PydanticCustomError("size", "expected {expected}", {"expected": SIZE_EXPECTED})
+    return value
+
+
 Duration = Annotated[str, AfterValidator(_check_duration)]
 """A positive duration in ``parse_duration`` syntax: ``"90"`` (seconds), ``"15m"``, ``"1h30m"``."""
 
@@ -182,6 +242,16 @@ HostName = Annotated[str, AfterValidator(_check_host_name)]
 
 Network = Annotated[str, AfterValidator(_check_network)]
 """An IP network in CIDR notation, host bits zero: ``"192.0.2.0/24"``, ``"::1/128"``."""
+
+# Not strict: TOML has no path type, so a path arrives as a string.
+NonEmptyPath = Annotated[Path, BeforeValidator(_non_empty_path), Field(strict=False)]
+"""A file or directory path; relative ones are relative to the working directory."""
+
+SocketPath = Annotated[NonEmptyPath, AfterValidator(_check_socket_path)]
+"""A ``NonEmptyPath`` short enough to bind a Unix socket to."""
+
+Size = Annotated[ByteSize, BeforeValidator(_size_input)]
+"""A size in bytes: an integer, or a string with a unit (``"64MiB"``, ``"1GB"``)."""
 
 
 class Section(BaseModel):
