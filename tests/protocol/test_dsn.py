@@ -434,9 +434,11 @@ def test_ret_full_without_body_returns_headers() -> None:
     assert parts(parse(data))[2].get_content_type() == "text/rfc822-headers"
 
 
-def test_ret_full_keeps_8bit_body_octets() -> None:
+def test_ret_full_keeps_8bit_body_octets_for_a_utf8_sender() -> None:
+    # Only a notice that needs SMTPUTF8 anyway may be 8-bit (tests/protocol/
+    # test_dsn_encoding.py has the ASCII sender's side).
     body = b"caf\xc3\xa9 \xff\xfe raw octets\r\n"
-    data = build_dsn(request(ret=Ret.FULL, original_body=body))
+    data = build_dsn(request(ret=Ret.FULL, original_body=body, envelope_sender="jörg@example.org"))
     third = parts(parse(data))[2]
     assert third.get_content_type() == "message/rfc822"
     assert third["Content-Transfer-Encoding"] == "8bit"
@@ -456,7 +458,11 @@ def test_international_headers_use_rfc6533_types() -> None:
     headers = "Subject: Grüße\r\nFrom: usér@exämple.com\r\n".encode()
     hdrs = parts(parse(build_dsn(request(ret=Ret.HDRS, original_headers=headers))))[2]
     assert hdrs.get_content_type() == "message/global-headers"
-    full_data = build_dsn(request(ret=Ret.FULL, original_headers=headers))
+    # Raw 8-bit for a UTF-8 sender (RFC 6532 recommends 8bit where the transport allows
+    # it); quoted-printable for an ASCII one, in tests/protocol/test_dsn_encoding.py.
+    full_data = build_dsn(
+        request(ret=Ret.FULL, original_headers=headers, envelope_sender="usér@example.org")
+    )
     full = parts(parse(full_data))[2]
     assert full.get_content_type() == "message/global"
     assert full["Content-Transfer-Encoding"] == "8bit"
@@ -628,7 +634,8 @@ def test_hostile_envelope_values_cannot_inject_headers() -> None:
 def test_printable_diagnostic_survives_modulo_folding(diagnostic: str) -> None:
     expected = diagnostic.strip()
     assume(len(expected) <= MAX_FIELD_CHARS)
-    data = build_dsn(request(recipients=(rcpt(diagnostic=diagnostic),)))
+    recipient = rcpt(diagnostic=diagnostic, diagnostic_type="smtp")
+    data = build_dsn(request(recipients=(recipient,)))
     assert_clean_lines(data)
     block = status_blocks(parse(data))[1]
     if expected:
@@ -667,7 +674,10 @@ def test_any_outside_text_keeps_the_structure(values: dict[str, str]) -> None:
     data = build_dsn(req)
     assert_clean_lines(data)
     message = parse(data)
-    assert list(message.keys()) == TOP_NAMES
+    # RFC 2045 section 6.4: an 8-bit notice (a UTF-8 To:) is labelled so at the top.
+    eight_bit = [] if data.isascii() else ["Content-Transfer-Encoding"]
+    assert list(message.keys()) == TOP_NAMES + eight_bit
+    assert message.get("Content-Transfer-Encoding", "8bit") == "8bit"
     assert [p.get_content_type() for p in parts(message)][:2] == [
         "text/plain",
         "message/delivery-status",

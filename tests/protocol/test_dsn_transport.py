@@ -19,9 +19,10 @@ LATIN1_BODY = b"Gr\xfc\xdfe\r\n"
         ({}, "text/rfc822-headers", DsnTransport(body_8bit=False, smtputf8=False)),
         ({"ret": Ret.FULL}, "message/rfc822", DsnTransport(body_8bit=False, smtputf8=False)),
         (
+            # message/rfc822 cannot be encoded (RFC 2046 section 5.2.1): headers only.
             {"ret": Ret.FULL, "original_body": LATIN1_BODY},
-            "message/rfc822",
-            DsnTransport(body_8bit=True, smtputf8=False),
+            "text/rfc822-headers",
+            DsnTransport(body_8bit=False, smtputf8=False),
         ),
         (
             {"ret": Ret.HDRS, "original_body": LATIN1_BODY},  # the body is not returned
@@ -29,13 +30,20 @@ LATIN1_BODY = b"Gr\xfc\xdfe\r\n"
             DsnTransport(body_8bit=False, smtputf8=False),
         ),
         (
+            # Quoted-printable (RFC 6532 section 3.5): goes to a server without SMTPUTF8.
             {"ret": Ret.FULL, "original_headers": UTF8_HEADERS},
             "message/global",
-            DsnTransport(body_8bit=True, smtputf8=True),
+            DsnTransport(body_8bit=False, smtputf8=False),
         ),
         (
             {"original_headers": UTF8_HEADERS},
             "message/global-headers",
+            DsnTransport(body_8bit=False, smtputf8=False),
+        ),
+        (
+            # A UTF-8 sender needs SMTPUTF8 anyway: the original goes back as it is.
+            {"ret": Ret.FULL, "original_body": LATIN1_BODY, "envelope_sender": "jörg@example.org"},
+            "message/rfc822",
             DsnTransport(body_8bit=True, smtputf8=True),
         ),
         (
@@ -63,6 +71,7 @@ LATIN1_BODY = b"Gr\xfc\xdfe\r\n"
         "hdrs-8bit-body",
         "full-utf8-headers",
         "hdrs-utf8-headers",
+        "utf8-sender-8bit-body",
         "headers-not-returnable",
         "utf8-sender",
         "utf8-recipient",

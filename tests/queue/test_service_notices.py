@@ -30,7 +30,17 @@ ORIGINAL = (
 @async_test
 async def test_a_ret_full_dsn_returns_the_stored_message_exactly(store: QueueStore) -> None:
     service = service_for(store, Clock())
-    await queue_message(store, [("a@dest.test", Z)], body=ORIGINAL, ret="FULL", body_8bit=True)
+    # A UTF-8 sender: only a notice that needs SMTPUTF8 anyway may return an 8-bit body in
+    # message/rfc822 (an ASCII sender gets its header section, tests/queue/test_bounces.py).
+    await queue_message(
+        store,
+        [("a@dest.test", Z)],
+        body=ORIGINAL,
+        ret="FULL",
+        body_8bit=True,
+        sender="jörg@src.test",
+        smtputf8=True,
+    )
     (job,) = await service.lease(Z, "w1")
     await service.report("w1", outcome(job, Result.BOUNCED, reply="550 5.1.1 no", enhanced="5.1.1"))
     dsn = dsn_of(store)
@@ -39,9 +49,10 @@ async def test_a_ret_full_dsn_returns_the_stored_message_exactly(store: QueueSto
     body = b"".join(store.body(lease.recipient.msg_id))
     assert returned_part(body) == ("message/rfc822", b"".join(ORIGINAL))
     assert body.count(b"Subject: full return") == 1  # the header section once, not twice
-    # The returned body is 8-bit: the notice goes out with BODY=8BITMIME (RFC 6152).
+    # The returned body is 8-bit: the notice goes out with BODY=8BITMIME (RFC 6152), and
+    # SMTPUTF8 for its UTF-8 recipient (RFC 6531).
     meta = store.message(lease.recipient.msg_id)
-    assert (meta.body_8bit, meta.smtputf8, meta.sender) == (True, False, "")
+    assert (meta.body_8bit, meta.smtputf8, meta.sender) == (True, True, "")
     store.release(lease)
     await assert_consistent(store)
 
@@ -260,3 +271,6 @@ async def test_a_deferral_with_a_permanent_code_gets_a_transient_delay_status(
     assert (block["Action"], block["Status"]) == ("delayed", "4.7.1")
     assert "5.7.1 client host blocked" in block["Diagnostic-Code"]  # the reply as given
     await assert_consistent(store)
+
+
+_SUCCESS = ("SUCCESS", "FAILURE")

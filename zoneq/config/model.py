@@ -58,6 +58,7 @@ from zoneq.config.types import (
 from zoneq.config.types import Section as _Section
 from zoneq.config.zones import ConnectionLimits, IpAddress, Pool, Rate, Smarthost, parse_rate
 from zoneq.protocol.domains import bare_domain
+from zoneq.protocol.dsn import check_from_address
 from zoneq.protocol.retry import (
     BOUNCE_MAX_AGE,
     DEFAULT_MAX_AGE,
@@ -99,11 +100,26 @@ def _check_reserve(value: ByteSize) -> ByteSize:
     return value
 
 
+def _check_bounce_from(value: str) -> str:
+    # The DSN builder's own rule, so an address it would refuse at bounce time is refused
+    # here, at load, instead: ASCII (the notice to an ASCII sender stays 7-bit) addr-spec.
+    try:
+        check_from_address(value)
+    except ValueError:
+        reason = "must be an ASCII address like MAILER-DAEMON@mx.example.com"
+        raise PydanticCustomError("bounce_from", "{reason}", {"reason": reason}) from None
+    return value
+
+
 class ServerConfig(_Section):
     """``[server]``: who we are and where the queue lives."""
 
     hostname: HostName | None = None
     """EHLO and Reporting-MTA name; None means the machine's FQDN, looked up at start-up."""
+
+    bounce_from: Annotated[str, AfterValidator(_check_bounce_from)] | None = None
+    """The From address of the notices (bounces, delay notices) zoneq sends; None means
+    ``MAILER-DAEMON@<hostname>``.  Their envelope sender stays ``<>`` whatever this is."""
 
     data_dir: NonEmptyPath = Path("data/queue")
     """The LevelDB queue directory; a relative path is relative to the working directory."""

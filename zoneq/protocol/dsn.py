@@ -8,7 +8,8 @@ throughout, shaped as RFC 6522 requires::
       2. message/delivery-status       the same, for programs (RFC 3464 section 2)
       3. message/rfc822                the original (RET=FULL and the body is given), or
          text/rfc822-headers           only its header section (RET=HDRS, body not given,
-                                       or a body that MIME cannot carry: NUL, long lines);
+                                       or a body that MIME cannot carry: NUL, long lines,
+                                       or 8-bit octets in a 7-bit notice, see below);
          (message/global and message/global-headers instead when the original's headers
          are UTF-8, RFC 6532 / RFC 6533; no third part at all if there is nothing to return)
 
@@ -20,11 +21,21 @@ Sending the result is the caller's job, and two rules apply to it:
 * The notice goes out with the null reverse-path, ``MAIL FROM:<>`` (RFC 5321 section 4.5.5,
   RFC 3461 section 6.1), so a notice that fails in turn is dropped instead of bouncing back and
   forth.  The ``From:`` header names the postmaster address; the envelope sender stays empty.
-* If the result holds any octet above 0x7F (returned 8-bit content) it needs
-  ``BODY=8BITMIME``; if the recipient (the original envelope sender) is not ASCII, or the
-  original comes back as message/global or message/global-headers, it needs ``SMTPUTF8``
-  (RFC 6531, RFC 6533).  ``transport_needs`` says which.  The machine-readable part itself
-  is always 7-bit.
+* A notice to an ASCII envelope sender is 7-bit throughout, so it reaches any server,
+  with or without 8BITMIME or SMTPUTF8: the notice is built once, when it is queued, long
+  before anyone knows what the sender's MX offers, and a notice that a server refuses for
+  its encoding is lost (it is never bounced in turn).  So message/global and
+  message/global-headers are quoted-printable there (RFC 6532 sections 3.5 and 3.7 and
+  RFC 6533 section 6 allow any content-transfer-encoding for them), and an 8-bit body in
+  message/rfc822, which may not be encoded at all (RFC 2046 section 5.2.1), is not
+  returned: the header section goes back alone (RFC 3461 section 4.3 lets the MTA do so)
+  and the human-readable part says why.
+* A notice to a UTF-8 envelope sender needs ``SMTPUTF8`` anyway (its RCPT TO, RFC 6531),
+  and a server that offers SMTPUTF8 offers 8BITMIME too (RFC 6531 section 3.1), so there
+  the original goes back as it is, 8-bit included, and the top level is labelled
+  ``Content-Transfer-Encoding: 8bit`` (RFC 2045 sections 6.2 and 6.4: 8-bit data must be
+  labelled so, and a multipart can only be 7bit, 8bit or binary).  ``transport_needs``
+  gives the flags.  The machine-readable part itself is always 7-bit.
 
 Pure: no I/O, no clock, no randomness.  The date, the Message-ID and every other value come
 in the request, and the MIME boundary is derived from the content, so the same request always
@@ -40,6 +51,7 @@ Message-ID, dates) are checked when the request is built and refused with ``Valu
 
 from __future__ import annotations
 
+import binascii
 import enum
 import hashlib
 import io
@@ -70,7 +82,9 @@ from zoneq.protocol.xtext import (
 __all__ = [
     "AUTO_SUBMITTED",
     "FROM_DISPLAY_NAME",
+    "LOCAL_DIAGNOSTIC_TYPE",
     "MAX_FIELD_CHARS",
+    "SMTP_DIAGNOSTIC_TYPE",
     "SUBJECT_DELAYED",
     "SUBJECT_DELIVERED",
     "SUBJECT_FAILED",
@@ -81,6 +95,8 @@ __all__ = [
     "ReportedRecipient",
     "Ret",
     "build_dsn",
+    "check_from_address",
+    "diagnostic_type_of",
     "should_send_dsn",
     "transport_needs",
     "utf8_xtext_decode",
@@ -126,6 +142,16 @@ SUBJECT_DELIVERED: Final = "Successful Mail Delivery Report"
 # other auto-responders stay quiet about it.
 AUTO_SUBMITTED: Final = "auto-replied"
 FROM_DISPLAY_NAME: Final = "Mail Delivery System"
+
+# RFC 3464 section 2.3.6: the diagnostic-type names where the Diagnostic-Code text came
+# from.  "smtp" is for a reply a remote SMTP server sent; text this MTA wrote itself (an
+# NXDOMAIN, an expired message, a connection that failed) takes a type of our own, as
+# Postfix writes "X-Postfix".
+SMTP_DIAGNOSTIC_TYPE: Final = "smtp"
+LOCAL_DIAGNOSTIC_TYPE: Final = "X-zoneq"
+# The start of an SMTP reply as ``Reply.__str__`` writes it: a 2xx to 5xx code (RFC 5321
+# section 4.2), then a space or the end.
+_SMTP_REPLY: Final = re.compile(r"[2-5][0-9][0-9](?: |$)")
 
 MAX_FIELD_CHARS: Final = 900
 """Longest value of one machine-readable field; longer values are cut and end in ``...``.
@@ -223,7 +249,9 @@ class ReportedRecipient:
     ``original_recipient`` is the RFC 3461 ORCPT value exactly as received, ``type;xtext``
     (``rfc822;bob+2Bx@example.com``, ``utf-8;us\\x{E9}r@example.com``); it is decoded here.
     ``diagnostic`` is the remote reply (or a local explanation) on one line, written after
-    ``diagnostic_type`` ("smtp" for SMTP replies, RFC 3464 section 2.3.6).
+    ``diagnostic_type`` (RFC 3464 section 2.3.6).  Left as None, the type is "smtp" when
+    the text is an SMTP reply and a ``remote_mta`` sent it, else ``LOCAL_DIAGNOSTIC_TYPE``
+    (``diagnostic_type_of``).
     ``will_retry_until`` is only for ``Action.DELAYED`` (RFC 3464 section 2.3.9).
 
     Raises ``ValueError`` for an invalid status code, an empty final recipient, a naive
@@ -235,7 +263,7 @@ class ReportedRecipient:
     status: str
     original_recipient: str | None = None
     diagnostic: str | None = None
-    diagnostic_type: str = "smtp"
+    diagnostic_type: str | None = None
     remote_mta: str | None = None
     last_attempt: datetime | None = None
     will_retry_until: datetime | None = None
@@ -247,12 +275,29 @@ class ReportedRecipient:
             raise ValueError(f"status must be an RFC 3463 code such as 5.1.1, not {self.status!r}")
         if not _strip_angles(_clean(self.final_recipient)):
             raise ValueError("final_recipient is empty")
-        if not _ATOM.fullmatch(self.diagnostic_type):
+        if self.diagnostic_type is not None and not _ATOM.fullmatch(self.diagnostic_type):
             raise ValueError(f"diagnostic_type must be an atom, not {self.diagnostic_type!r}")
         _require_aware("last_attempt", self.last_attempt)
         _require_aware("will_retry_until", self.will_retry_until)
         if self.will_retry_until is not None and self.action is not Action.DELAYED:
             raise ValueError("will_retry_until is only meaningful for Action.DELAYED")
+
+
+def diagnostic_type_of(rcpt: ReportedRecipient) -> str:
+    """The diagnostic-type ``rcpt``'s Diagnostic-Code is written with.
+
+    An explicit ``diagnostic_type`` wins.  Otherwise "smtp" only for an SMTP reply from a
+    remote MTA: a failure with no remote MTA (an NXDOMAIN or null MX found before any
+    connection) or text that is no reply ("delivery time expired", a refused connection)
+    was written here, even when it borrows a reply code's shape.
+    """
+    if rcpt.diagnostic_type is not None:
+        return rcpt.diagnostic_type
+    remote = _clean(rcpt.remote_mta or "").strip()
+    text = _clean(rcpt.diagnostic or "").strip()
+    if remote and _SMTP_REPLY.match(text):
+        return SMTP_DIAGNOSTIC_TYPE
+    return LOCAL_DIAGNOSTIC_TYPE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -296,15 +341,20 @@ class DsnRequest:
             raise ValueError(f"reporting_mta is not a host name: {self.reporting_mta!r}")
         if not _MESSAGE_ID.fullmatch(self.message_id):
             raise ValueError(f"message_id is not id-left@id-right: {self.message_id!r}")
-        _check_postmaster(self.postmaster_from)
+        check_from_address(self.postmaster_from)
         _require_aware("arrival_date", self.arrival_date)
         _require_aware("date", self.date)
 
 
-def _check_postmaster(address: str) -> None:
-    # Our own configuration, so refused rather than repaired.  The email package's parser
-    # raises a variety of exceptions on malformed input (even IndexError), hence the
-    # broad catch, turned into the one ValueError callers expect.
+def check_from_address(address: str) -> None:
+    """Raise ``ValueError`` unless ``address`` can be the notice's From (``postmaster_from``):
+    an ASCII addr-spec with a domain, so every notice's header section stays 7-bit.
+
+    Our own configuration (``[server] bounce_from`` checks it with this at load), so refused
+    rather than repaired.  The email package's parser raises a variety of exceptions on
+    malformed input (even IndexError), hence the broad catch, turned into the one
+    ValueError callers expect.
+    """
     if not address.isascii() or any(char.isspace() for char in address):
         raise ValueError(f"postmaster_from must be an ASCII address: {address!r}")
     try:
@@ -313,6 +363,8 @@ def _check_postmaster(address: str) -> None:
         raise ValueError(f"postmaster_from is not an address: {address!r}") from exc
     if not parsed.domain:
         raise ValueError(f"postmaster_from has no domain: {address!r}")
+    if not parsed.username:
+        raise ValueError(f"postmaster_from has no local part: {address!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,7 +539,7 @@ def _per_recipient_fields(rcpt: ReportedRecipient) -> Iterator[tuple[str, str]]:
     if rcpt.diagnostic is not None:
         diagnostic = _field_text(rcpt.diagnostic)
         if diagnostic:
-            yield "Diagnostic-Code", f"{rcpt.diagnostic_type}; {diagnostic}"
+            yield "Diagnostic-Code", f"{diagnostic_type_of(rcpt)}; {diagnostic}"
     if rcpt.last_attempt is not None:
         yield "Last-Attempt-Date", format_datetime(rcpt.last_attempt)
     if rcpt.will_retry_until is not None:
@@ -571,7 +623,7 @@ def _recipient_text(rcpt: ReportedRecipient) -> list[str]:
     return lines
 
 
-def _human_text(req: DsnRequest, returned: str | None) -> str:
+def _human_text(req: DsnRequest, returned: _Returned | None) -> str:
     actions = {rcpt.action for rcpt in req.recipients}
     paragraphs = [f"This is the mail delivery system at {req.reporting_mta}."]
     if Action.FAILED in actions:
@@ -593,7 +645,10 @@ def _human_text(req: DsnRequest, returned: str | None) -> str:
     body = [_wrap(paragraph) for paragraph in paragraphs]
     body.extend("\n".join(_recipient_text(rcpt)) for rcpt in req.recipients)
     if returned is not None:
-        body.append(_wrap(f"The {returned} of your message is attached below."))
+        attached = f"The {returned.what} of your message is attached below."
+        if returned.withheld is not None:
+            attached += f" Its body is not returned: {returned.withheld}."
+        body.append(_wrap(attached))
     body.append(_wrap("The machine-readable details are in the delivery report (RFC 3464)."))
     return "\n\n".join(body) + "\n"
 
@@ -638,19 +693,59 @@ def _fits_8bit(data: bytes) -> bool:
     )
 
 
+# Why a RET=FULL body stays home, as the human-readable part says it.
+_WITHHELD_UNCARRIABLE: Final = (
+    "it holds data no mail message can carry (a NUL octet or a line over 998 octets)"
+)
+_WITHHELD_8BIT: Final = (
+    "it holds 8-bit characters, and this notice is kept to 7-bit text so that every mail"
+    " server on the way can pass it on"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Returned:
+    """The third part, what it holds ("full text" or "header section"), and why the body
+    was left out when RET=FULL asked for it (None: it was not asked for or not given)."""
+
+    part: MIMEPart
+    what: str
+    withheld: str | None = None
+
+
+def _quoted_printable(data: bytes) -> str:
+    # binascii's encoder in text mode keeps each CRLF as a line break (the original is
+    # line-oriented: the CRLFs are its own), encodes "=", 8-bit octets and whitespace at a
+    # line's end, breaks lines at 76 with soft breaks (RFC 2045 section 6.7), and a line
+    # of a lone "." becomes "=2E".  ``data`` has CRLF line ends only (``_LINE_END``), which
+    # is what the text mode expects; "=_" (our boundaries) can never appear in its output.
+    return binascii.b2a_qp(data, quotetabs=False, istext=True, header=False).decode("ascii")
+
+
 def _opaque_part(
-    content_type: str, data: bytes, description: str, policy: EmailPolicy[EmailMessage]
+    content_type: str,
+    data: bytes,
+    description: str,
+    policy: EmailPolicy[EmailMessage],
+    *,
+    seven_bit: bool,
 ) -> MIMEPart:
     part = MIMEPart(policy=policy)
     part["Content-Type"] = content_type
-    part["Content-Transfer-Encoding"] = "7bit" if data.isascii() else "8bit"
+    # Only message/global and message/global-headers are encoded (``_original_part`` never
+    # puts 8-bit data in message/rfc822 or text/rfc822-headers of a 7-bit notice), and
+    # they may be: RFC 6532 sections 3.5 and 3.7, RFC 6533 section 6.  Quoted-printable
+    # rather than base64, so the original stays readable.
+    encode = seven_bit and not data.isascii()
+    plain = "7bit" if data.isascii() else "8bit"
+    part["Content-Transfer-Encoding"] = "quoted-printable" if encode else plain
     part["Content-Description"] = description
     # The original goes back as it was received (line ends aside), handed to the email
     # package as an opaque payload rather than parsed and regenerated: regenerating could
     # alter it (refolding, repaired MIME structure) and the package's generator fails on
     # some malformed messages, and a bounce must be built whatever the original was.
     # surrogateescape carries 8-bit octets through unchanged.
-    part.set_payload(data.decode("ascii", "surrogateescape"))
+    part.set_payload(_quoted_printable(data) if encode else data.decode("ascii", "surrogateescape"))
     return part
 
 
@@ -664,14 +759,19 @@ def _returned_headers(req: DsnRequest) -> bytes | None:
 
 
 def _original_part(
-    req: DsnRequest, policy: EmailPolicy[EmailMessage]
-) -> tuple[MIMEPart, str] | None:
-    """The third part and what it holds, or None if nothing can be returned.
+    req: DsnRequest, policy: EmailPolicy[EmailMessage], *, seven_bit: bool
+) -> _Returned | None:
+    """The third part, or None if nothing can be returned.
 
-    RET=FULL with a body gives the whole message; otherwise (RET=HDRS, the body withheld,
-    or a body that cannot be carried, see ``_fits_8bit``) the header section alone.  No
-    header section, or one that cannot be carried, means no third part (RFC 6522 section 3
-    makes it optional).
+    RET=FULL with a body gives the whole message; otherwise (RET=HDRS, the body withheld
+    by the caller, or a body that cannot be carried, see ``_fits_8bit``) the header section
+    alone.  No header section, or one that cannot be carried, means no third part
+    (RFC 6522 section 3 makes it optional).
+
+    ``seven_bit``: the notice must be 7-bit (its recipient is ASCII, see the module
+    docstring).  message/global and message/global-headers are then quoted-printable;
+    message/rfc822 may not be encoded (RFC 2046 section 5.2.1), so an 8-bit body under
+    ASCII headers is not returned (RFC 3461 section 4.3 allows headers only).
     """
     headers = _returned_headers(req)
     if headers is None:
@@ -680,17 +780,25 @@ def _original_part(
     # text/rfc822-headers; message/global (RFC 6532 section 3.7) and message/global-headers
     # (RFC 6533) are the types for them.
     international = not headers.isascii()
+    withheld: str | None = None
     if req.ret is Ret.FULL and req.original_body is not None:
         whole = headers + b"\r\n" + _LINE_END.sub(b"\r\n", req.original_body)
-        if _fits_8bit(whole):
+        if not _fits_8bit(whole):
+            withheld = _WITHHELD_UNCARRIABLE
+        elif seven_bit and not international and not whole.isascii():
+            withheld = _WITHHELD_8BIT
+        else:
             content_type = "message/global" if international else "message/rfc822"
-            return _opaque_part(content_type, whole, "Original message", policy), "full text"
+            part = _opaque_part(
+                content_type, whole, "Original message", policy, seven_bit=seven_bit
+            )
+            return _Returned(part, "full text")
     # RFC 6522 section 4 (was RFC 3462): text/rfc822-headers.
     content_type = "message/global-headers" if international else "text/rfc822-headers"
-    return (
-        _opaque_part(content_type, headers, "Original message headers", policy),
-        "header section",
+    part = _opaque_part(
+        content_type, headers, "Original message headers", policy, seven_bit=seven_bit
     )
+    return _Returned(part, "header section", withheld)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -752,24 +860,20 @@ class DsnTransport:
 def transport_needs(req: DsnRequest, notice: bytes) -> DsnTransport:
     """The flags ``notice`` (``build_dsn(req)``) must be sent with.
 
-    * ``body_8bit`` when any octet is above 0x7F (returned 8-bit content, a message/global
-      part, or a UTF-8 To: header): RFC 6152 section 3 forbids sending it without
-      ``BODY=8BITMIME``.
-    * ``smtputf8`` when the envelope sender, who receives the notice, is not ASCII (its
-      RCPT TO needs SMTPUTF8, RFC 6531), or when the original is returned as message/global
-      or message/global-headers because its headers are UTF-8 (RFC 6532 section 3.7,
-      RFC 6533): raw UTF-8 header fields are only for a server that took SMTPUTF8, and
-      with the flag the delivery session refuses (5.6.7) a server that does not.  The
-      delivery-status part itself is always 7-bit here (non-ASCII is written as
-      \\x{HEX}), so message/global-delivery-status is never produced.
+    * ``smtputf8`` when the envelope sender, who receives the notice, is not ASCII: its
+      RCPT TO needs SMTPUTF8 (RFC 6531), and the delivery session refuses (5.6.7) a server
+      that does not offer it.  Only then is the notice allowed any octet above 0x7F (a
+      UTF-8 To:, a raw message/global, an 8-bit body returned in message/rfc822).
+    * ``body_8bit`` when any octet is above 0x7F: RFC 6152 section 3 forbids sending it
+      without ``BODY=8BITMIME`` (which an SMTPUTF8 server offers, RFC 6531 section 3.1).
+
+    For an ASCII sender both are False: the notice is 7-bit (``build_dsn``), a returned
+    UTF-8 original included, so no server is refused for lacking either.  The
+    delivery-status part itself is always 7-bit (non-ASCII is written as \\x{HEX}), so
+    message/global-delivery-status is never produced.
     """
     sender = _strip_angles(_clean(req.envelope_sender))
-    headers = _returned_headers(req)
-    international = headers is not None and not headers.isascii()
-    return DsnTransport(
-        body_8bit=not notice.isascii(),
-        smtputf8=not sender.isascii() or international,
-    )
+    return DsnTransport(body_8bit=not notice.isascii(), smtputf8=not sender.isascii())
 
 
 def build_dsn(req: DsnRequest) -> bytes:
@@ -779,7 +883,9 @@ def build_dsn(req: DsnRequest) -> bytes:
     8BITMIME and SMTPUTF8).
     """
     sender = _strip_angles(_clean(req.envelope_sender))
-    policy = _POLICY if sender.isascii() else _POLICY_UTF8
+    # An ASCII sender's notice is 7-bit throughout; see the module docstring.
+    seven_bit = sender.isascii()
+    policy = _POLICY if seven_bit else _POLICY_UTF8
 
     message = EmailMessage(policy=policy)
     message["From"] = Address(FROM_DISPLAY_NAME, addr_spec=req.postmaster_from)
@@ -796,13 +902,18 @@ def build_dsn(req: DsnRequest) -> bytes:
     message["Content-Type"] = "multipart/report"
     message.set_param("report-type", "delivery-status")  # RFC 3464 section 2, RFC 6522
 
-    original = _original_part(req, policy)
+    original = _original_part(req, policy, seven_bit=seven_bit)
     parts: list[Message | str] = [
-        _text_part(_human_text(req, None if original is None else original[1]), policy),
+        _text_part(_human_text(req, original), policy),
         _status_part(req, policy),
     ]
     if original is not None:
-        parts.append(original[0])
+        parts.append(original.part)
+    if not seven_bit:
+        # RFC 2045 sections 6.2 and 6.4: 8-bit data inside must be labelled 8bit, and a
+        # multipart can only be 7bit, 8bit or binary.  A UTF-8 sender's notice always
+        # holds some (its To: at least); an ASCII sender's never does.
+        message["Content-Transfer-Encoding"] = "8bit"
     message.set_payload(parts)
 
     for boundary in _boundaries(req):

@@ -51,6 +51,12 @@ class Failure:
     will_retry_until_ms: int | None = None  # for Action.DELAYED (RFC 3464 section 2.3.9)
 
 
+def default_bounce_from(reporting_mta: str) -> str:
+    """The notice's From when ``[server] bounce_from`` is unset, as Postfix and sendmail
+    sign theirs."""
+    return f"MAILER-DAEMON@{reporting_mta}"
+
+
 def wants_notice(meta: MessageMeta, failure: Failure) -> bool:
     if meta.is_bounce:
         return False
@@ -81,12 +87,14 @@ def compose(
     reporting_mta: str,
     bounce_zone: str,
     now_ms: int,
+    bounce_from: str | None = None,
 ) -> Notice | None:
     """The notice for ``failures`` of ``meta``'s message, or None if nobody should get one.
 
     ``original_start`` is the beginning of the stored message (enough for its headers);
     ``original_full`` the whole stored message, header section included, when it is small
-    enough to return, else None.
+    enough to return, else None.  ``bounce_from`` is the notice's From address
+    (``[server] bounce_from``); None gives ``MAILER-DAEMON@<reporting_mta>``.
     """
     wanted = [f for f in failures if wants_notice(meta, f)]
     if not wanted:
@@ -124,7 +132,7 @@ def compose(
         ),
         original_headers=headers,
         original_body=body,
-        postmaster_from=f"MAILER-DAEMON@{reporting_mta}",
+        postmaster_from=bounce_from or default_bounce_from(reporting_mta),
         message_id=f"<{format_id(meta.msg_id)}.{now_ms}.dsn@{reporting_mta}>",
         date=now,
         envelope_id=meta.envid,

@@ -813,6 +813,7 @@ class QueueService:
             reporting_mta=self._hostname,
             bounce_zone=self._config.routing.bounce_zone,
             now_ms=now,
+            bounce_from=self._config.server.bounce_from,
         )
 
     def _body_damaged(
