@@ -9,11 +9,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from zoneq.delivery.attempt import Settings, attempt
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from zoneq.delivery.attempt import Settings, attempt, owes_relayed_notice
 from zoneq.delivery.hostcache import DeadHostCache
 from zoneq.delivery.mx import MxHost, MxKind, MxResult
 from zoneq.delivery.results import RecipientResult, TransactionResult
 from zoneq.ipc.messages import Job, JobRecipient, Outcome
+from zoneq.protocol.dsn import Notify
 from zoneq.protocol.replies import EnhancedStatus, Reply, Stage, Verdict
 
 SETTINGS = Settings(helo_name="mx.zoneq.test", port=2525)
@@ -193,3 +198,83 @@ def test_a_domain_that_requires_tls_gets_the_required_policy() -> None:
     assert seen == [TlsPolicy.REQUIRED]
     assert settings.tls_for("OK.test") is TlsPolicy.REQUIRED
     assert settings.tls_for("other.test") is TlsPolicy.OPPORTUNISTIC
+
+
+def _taken(extensions: frozenset[str]) -> Any:
+    """A server that takes every recipient (250 after the final dot), offering ``extensions``
+    in its EHLO reply (none: it only spoke HELO)."""
+
+    async def send(**kwargs: Any) -> TransactionResult:
+        return TransactionResult(
+            kwargs["host"],
+            25,
+            tuple(
+                RecipientResult(
+                    r.address, Verdict.DONE, Stage.END_OF_DATA, Reply(250, ("2.0.0 queued",))
+                )
+                for r in kwargs["recipients"]
+            ),
+            peer=kwargs["host"],
+            extensions=extensions,
+        )
+
+    return send
+
+
+@pytest.mark.parametrize(
+    ("notify", "extensions", "relayed"),
+    [
+        # RFC 3461 section 5.2.2: NOTIFY=SUCCESS relayed where DSN is not offered.
+        (("SUCCESS",), frozenset(), True),
+        (("SUCCESS", "FAILURE"), frozenset({"PIPELINING", "8BITMIME"}), True),
+        (("success",), frozenset(), True),  # keywords in any case (RFC 3461 section 4.1)
+        # The server took NOTIFY itself: the notice is the remote's to send.
+        (("SUCCESS",), frozenset({"DSN"}), False),
+        # Nobody asked for a success notice.
+        (("FAILURE",), frozenset(), False),
+        (("NEVER",), frozenset(), False),
+        ((), frozenset(), False),
+    ],
+)
+def test_a_delivery_says_relayed_when_success_was_asked_of_a_server_without_dsn(
+    notify: tuple[str, ...], extensions: frozenset[str], relayed: bool
+) -> None:
+    one = Job(
+        msg_id=1,
+        sender="s@src.test",
+        size=10,
+        chunks=1,
+        domain="ok.test",
+        recipients=(JobRecipient(token=5, address="a@ok.test", notify=notify),),
+    )
+    (report,) = asyncio.run(
+        attempt(
+            one,
+            settings=SETTINGS,
+            resolver=Resolver(hosts(("mx", ("10.0.0.1",)))),  # type: ignore[arg-type]
+            dead_hosts=DeadHostCache(clock=lambda: 0.0),
+            body=lambda: [b"x"],
+            send=_taken(extensions),
+        )
+    )
+    assert (report.outcome, report.relayed) == (Outcome.DELIVERED, relayed)
+    assert report.reply == "250 2.0.0 queued"  # the reply to the final dot, for the notice
+
+
+@given(
+    outcome=st.sampled_from(Outcome),
+    notify=st.frozensets(st.sampled_from(Notify)),
+    extensions=st.frozensets(st.sampled_from(["DSN", "PIPELINING", "8BITMIME", "SIZE", "X-DSN"])),
+)
+def test_a_notice_is_owed_only_for_a_success_asked_and_not_passed_on(
+    outcome: Outcome, notify: frozenset[Notify], extensions: frozenset[str]
+) -> None:
+    """A failure is the failure notice's business (or the retry's), never a "relayed" one;
+    a server that offers DSN took NOTIFY on, whatever else it offers."""
+    result = TransactionResult("10.0.0.1", 25, (), extensions=extensions)
+    owed = owes_relayed_notice(outcome, notify, result)
+    assert owed == (
+        outcome is Outcome.DELIVERED and Notify.SUCCESS in notify and "DSN" not in extensions
+    )
+    with_dsn = TransactionResult("10.0.0.1", 25, (), extensions=extensions | {"DSN"})
+    assert not owes_relayed_notice(outcome, notify, with_dsn)

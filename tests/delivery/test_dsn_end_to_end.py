@@ -11,7 +11,9 @@ from __future__ import annotations
 import binascii
 import email
 import email.policy
+from collections.abc import Iterator
 from email.message import EmailMessage
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +25,9 @@ from tests.delivery.test_end_to_end import (  # noqa: F401 (bed is a fixture)
     write_config,
 )
 from tests.storage.conftest import async_test
+from tests.support.dnsmasq import running_dnsmasq
+from tests.support.smtpsink import Sink, run_smtp_sink
+from zoneq.protocol.dsn import SUBJECT_DELIVERED
 from zoneq.storage.records import MessageMeta, NewRecipient
 from zoneq.storage.store import QueueStore
 
@@ -100,3 +105,106 @@ async def test_ret_full_dsns_carry_the_original_once_with_their_mail_parameters(
     assert boundary is not None
     raw = content.split(b"\r\n--" + boundary.encode("ascii"))[3]
     assert binascii.a2b_qp(raw.partition(b"\r\n\r\n")[2]) == UTF8
+
+
+@pytest.fixture
+def plain_mx(tmp_path: Path) -> Iterator[tuple[Bed, Sink]]:
+    """Two remote MX hosts on one port: the bed's sink, which offers DSN, for ok.test and
+    for the sender's own domain src.test (the notices land there); and ``smtp-sink -e``
+    for plain.test, which refuses EHLO, so zoneq speaks HELO to it and no extension (no
+    DSN) is offered."""
+    with run_smtp_sink() as sink, run_smtp_sink("-e", port=sink.port) as plain:
+        records = [
+            "mx-host=ok.test,mx.ok.test,10",
+            f"host-record=mx.ok.test,{sink.host}",
+            "mx-host=src.test,mx.src.test,10",
+            f"host-record=mx.src.test,{sink.host}",
+            "mx-host=plain.test,mx.plain.test,10",
+            f"host-record=mx.plain.test,{plain.host}",
+        ]
+        with running_dnsmasq(records, tmp_path / "dns") as dns:
+            yield Bed(sink, dns, "127.0.0.1", tmp_path), plain
+
+
+async def queue_notify(
+    store: QueueStore,
+    recipients: list[tuple[str, tuple[str, ...]]],
+    sender: str = "sender@src.test",
+) -> None:
+    """A RET=FULL message with an ENVID: each recipient with its NOTIFY keywords."""
+    msg_id = store.begin(0)
+    meta = MessageMeta(msg_id, sender, len(BODY), 1, 0, ret="FULL", envid="e2e")
+    rcpts = [
+        NewRecipient(address, "default", notify, f"rfc822;{address}")
+        for address, notify in recipients
+    ]
+    await store.commit(meta, rcpts, 0, tail=BODY)
+
+
+BODY = (
+    b"From: sender@src.test\r\nTo: a@plain.test\r\nSubject: relayed\r\n"
+    b"Message-ID: <relayed@src.test>\r\n\r\nthe body stays home\r\n"
+)
+
+
+@async_test
+async def test_success_relayed_to_a_server_without_dsn_is_reported_to_the_sender_once(
+    plain_mx: tuple[Bed, Sink],
+) -> None:
+    """RFC 3461 section 5.2.2: a recipient with NOTIFY=SUCCESS delivered to a server that
+    does not offer DSN gets a "relayed" notice from zoneq, one per message for all such
+    recipients; none for NOTIFY=FAILURE or no NOTIFY, none to the null reverse-path, and
+    none where the server offers DSN (NOTIFY goes on to it, and the notice is its to send).
+    """
+    two_mx, plain = plain_mx
+    async with running_core(write_config(two_mx)) as core:
+        await queue_notify(
+            core.store,
+            [
+                ("a@plain.test", ("SUCCESS",)),
+                ("b@plain.test", ("SUCCESS", "FAILURE")),
+                ("c@plain.test", ("FAILURE",)),
+                ("d@plain.test", ()),
+            ],
+        )
+        await queue_notify(core.store, [("e@plain.test", ("FAILURE",)), ("f@plain.test", ())])
+        await queue_notify(core.store, [("g@plain.test", ("SUCCESS",))], sender="")
+        await queue_notify(core.store, [("h@ok.test", ("SUCCESS",))])
+        await until_empty(core.store)
+        kinds = {(e.zone, e.kind.value) for _, e in core.store.events()}
+    assert kinds == {
+        ("default", "accepted"),
+        ("default", "delivered"),
+        ("bounces", "accepted"),
+        ("bounces", "delivered"),
+    }
+    assert len(plain.messages(3, timeout=10)) == 3
+    got = two_mx.sink.messages(2, timeout=10)
+    notices = [m for m in got if m.mail_args.split()[0] == "<>"]
+    assert len(notices) == 1, [m.mail_args for m in got]
+    (passed_on,) = [m for m in got if m not in notices]
+    assert "NOTIFY=SUCCESS" in passed_on.rcpt_args[0]  # ok.test's MX owes the notice
+    (notice,) = notices
+    assert notice.rcpt_args[0].startswith("<sender@src.test>")
+    report = email.message_from_bytes(notice.content, policy=email.policy.default)
+    assert isinstance(report, EmailMessage)
+    assert report["Subject"] == SUBJECT_DELIVERED
+    parts = list(report.iter_parts())
+    assert [p.get_content_type() for p in parts] == [
+        "text/plain",
+        "message/delivery-status",
+        "text/rfc822-headers",  # RET=FULL, but a success returns the headers only (4.3)
+    ]
+    assert b"the body stays home" not in notice.content
+    status = parts[1].get_payload()
+    assert status[0]["Original-Envelope-Id"] == "e2e"
+    blocks = status[1:]
+    assert [b["Final-Recipient"] for b in blocks] == [
+        "rfc822; a@plain.test",
+        "rfc822; b@plain.test",
+    ]
+    for block in blocks:
+        assert (block["Action"], block["Status"]) == ("relayed", "2.0.0")
+        assert block["Remote-MTA"] == "dns; mx.plain.test"
+        assert block["Diagnostic-Code"].startswith("smtp; 250")  # the reply to the final dot
+        assert block["Original-Recipient"] == block["Final-Recipient"]

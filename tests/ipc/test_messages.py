@@ -87,6 +87,7 @@ reports = st.builds(
     mx=opt_text,
     source_ip=opt_text,
     possible_duplicate=st.booleans(),
+    relayed=st.booleans(),
 )
 requests: st.SearchStrategy[Request] = st.one_of(
     st.builds(Hello, zone=text, worker=text, pid=i64),
@@ -496,3 +497,43 @@ def test_a_bad_dead_host_count_names_the_field(value: object, says: str) -> None
     body = {"results": [], "dead_hosts": value}
     with pytest.raises(ProtocolError, match=re.escape(says)):
         decode_request(open_envelope(envelope_of("report", body)))
+
+
+REPORTED = {
+    "token": 7,
+    "outcome": "delivered",
+    "reply": "250 Ok",
+    "code": 250,
+    "enhanced": None,
+    "mx": "mx.example.net",
+    "source_ip": None,
+    "possible_duplicate": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("wire", "relayed"),
+    [
+        (REPORTED, False),  # a worker of the previous release: no notice owed
+        ({**REPORTED, "relayed": None}, False),
+        ({**REPORTED, "relayed": False}, False),
+        ({**REPORTED, "relayed": True}, True),
+    ],
+)
+def test_a_report_says_relayed_only_when_a_notice_is_owed(
+    wire: dict[str, object], relayed: bool
+) -> None:
+    assert RecipientReport.from_wire(wire, "r").relayed is relayed
+
+
+def test_relayed_stays_off_the_wire_unless_true() -> None:
+    """The flag of RFC 3461 section 5.2.2 costs a bulk sender's reports nothing."""
+    plain = RecipientReport(token=7, outcome=Outcome.DELIVERED, reply="250 Ok", code=250)
+    assert "relayed" not in plain.to_wire()
+    flagged = RecipientReport(token=7, outcome=Outcome.DELIVERED, relayed=True)
+    assert flagged.to_wire()["relayed"] is True
+
+
+def test_a_relayed_flag_that_is_not_a_bool_names_the_field() -> None:
+    with pytest.raises(ProtocolError, match=re.escape("r.relayed: expected bool")):
+        RecipientReport.from_wire({**REPORTED, "relayed": 1}, "r")

@@ -7,6 +7,7 @@ zone and parsed with the ``email`` package.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -14,8 +15,9 @@ import pytest
 from tests.queue.test_bounces import returned_part
 from tests.queue.test_service import BOUNCES, Clock, Z, dsn_of, outcome, service_for
 from tests.storage.conftest import MINUTE, T0, assert_consistent, async_test, queue_message
+from zoneq.protocol.dsn import SUBJECT_DELIVERED
 from zoneq.protocol.events import EventKind
-from zoneq.queue.service import QueueService, Result, delayed_status
+from zoneq.queue.service import QueueService, RecipientOutcome, Result, delayed_status
 from zoneq.storage.records import NewRecipient, State
 from zoneq.storage.store import QueueStore
 
@@ -274,3 +276,118 @@ async def test_a_deferral_with_a_permanent_code_gets_a_transient_delay_status(
 
 
 _SUCCESS = ("SUCCESS", "FAILURE")
+
+
+def _delivered(job: Any, relayed: set[str], **fields: Any) -> list[RecipientOutcome]:
+    """Every recipient of ``job`` delivered (250 to the final dot from mx.dest.test); those
+    in ``relayed`` as a worker reports them when the server did not offer DSN."""
+    return [
+        RecipientOutcome(
+            r.token,
+            Result.DELIVERED,
+            reply="250 Ok: queued as 4C1D2",
+            code=250,
+            mx="mx.dest.test",
+            relayed=r.address in relayed,
+            **fields,
+        )
+        for r in job.recipients
+    ]
+
+
+@async_test
+async def test_success_relayed_to_a_server_without_dsn_gets_one_relayed_notice(
+    store: QueueStore,
+) -> None:
+    """RFC 3461 section 5.2.2: one notice for the report's relayed recipients of a message,
+    queued with their completion; RET=FULL returns the headers only (section 4.3: RET is
+    for notices that report a failure)."""
+    service = service_for(store, Clock())
+    recipients = [
+        NewRecipient("a@dest.test", Z, notify=_SUCCESS, orcpt="rfc822;a@dest.test"),
+        NewRecipient("b@dest.test", Z, notify=("SUCCESS",)),
+        NewRecipient("c@dest.test", Z),  # no NOTIFY: delivered, nothing owed
+    ]
+    msg = await queue_message(store, recipients, body=ORIGINAL, ret="FULL", envid="env1")
+    (job,) = await service.lease(Z, "w1")
+    accepted, refused = await service.report("w1", _delivered(job, {"a@dest.test", "b@dest.test"}))
+    await store.drain()
+    assert (len(accepted), refused) == (3, [])
+    assert store.count(BOUNCES, State.READY) == 1
+    assert store.message_count() == 1  # the original is gone, its notice queued
+    report = dsn_of(store)
+    assert report["Subject"] == SUBJECT_DELIVERED and report["To"] == "sender@example.org"
+    parts = list(report.iter_parts())
+    assert [p.get_content_type() for p in parts] == [
+        "text/plain",
+        "message/delivery-status",
+        "text/rfc822-headers",
+    ]
+    assert b"first line" not in parts[2].get_payload(decode=True)  # headers only
+    status = parts[1].get_payload()
+    assert status[0]["Original-Envelope-Id"] == "env1"
+    blocks = {b["Final-Recipient"]: b for b in status[1:]}
+    assert sorted(blocks) == ["rfc822; a@dest.test", "rfc822; b@dest.test"]
+    for block in blocks.values():
+        assert block["Action"] == "relayed"
+        assert block["Status"] == "2.0.0"
+        assert block["Remote-MTA"] == "dns; mx.dest.test"
+        assert block["Diagnostic-Code"] == "smtp; 250 Ok: queued as 4C1D2"
+    assert blocks["rfc822; a@dest.test"]["Original-Recipient"] == "rfc822; a@dest.test"
+    mid = f"{msg:016x}"
+    ends = sorted((e.recipient, e.kind) for _, e in store.events() if e.message_id == mid)
+    assert [kind for _, kind in ends if kind is not EventKind.ACCEPTED] == [EventKind.DELIVERED] * 3
+    await assert_consistent(store)
+
+
+@pytest.mark.parametrize(
+    ("sender", "notify", "relayed"),
+    [
+        ("", ("SUCCESS",), True),  # the null reverse-path (RFC 5321 section 4.5.5)
+        ("sender@src.test", ("SUCCESS",), False),  # the server took NOTIFY (it offers DSN)
+        ("sender@src.test", ("FAILURE",), False),  # no success asked
+    ],
+    ids=["null-sender", "passed-on", "failure-only"],
+)
+@async_test
+async def test_no_relayed_notice_when_none_is_owed(
+    store: QueueStore, sender: str, notify: tuple[str, ...], relayed: bool
+) -> None:
+    """Next to a message that is owed a notice (the control), one that is not owed any
+    gets none: one notice in all, about the control's recipient alone."""
+    service = service_for(store, Clock())
+    control = [NewRecipient("owed@dest.test", Z, notify=("SUCCESS",))]
+    await queue_message(store, control)
+    await queue_message(store, [NewRecipient("a@dest.test", Z, notify=notify)], sender=sender)
+    jobs = await service.lease(Z, "w1", max_jobs=2)
+    reported = [
+        item
+        for job in jobs
+        for item in _delivered(job, {"owed@dest.test", "a@dest.test"} if relayed else set())
+    ]
+    reported[0] = replace(reported[0], relayed=True)  # the control's: owed a notice
+    accepted, _ = await service.report("w1", reported)
+    await store.drain()
+    assert len(accepted) == 2
+    assert store.message_count() == 1  # both delivered; one notice queued
+    assert _listed(dsn_of(store)) == ["rfc822; owed@dest.test"]
+    await assert_consistent(store)
+
+
+@async_test
+async def test_a_relayed_notice_survives_its_first_recipient_deleted_on_the_wire(
+    store: QueueStore,
+) -> None:
+    """The first relayed recipient's completion is refused (an administrator deleted it
+    while it was out): the notice rides with the next, once, and lists only that one."""
+    service = service_for(store, Clock())
+    msg = await queue_message(store, [NewRecipient(a, Z, notify=("SUCCESS",)) for a in _TRIO])
+    (job,) = await service.lease(Z, "w1")
+    first = job.recipients[0]
+    assert await store.drop(msg, T0, first.address) == 1
+    accepted, refused = await service.report("w1", _delivered(job, set(_TRIO)))
+    await store.drain()
+    assert (len(accepted), refused) == (2, [first.token])
+    assert store.count(BOUNCES, State.READY) == 1
+    assert _listed(dsn_of(store)) == [f"rfc822; {a}" for a in _TRIO if a != first.address]
+    await assert_consistent(store)

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from zoneq.delivery.headers import OutgoingBody
@@ -287,7 +287,10 @@ class _Walk:
             else:
                 token = self.tokens[rcpt.address]
                 local = result.local or source.address
-                self.settled[rcpt.address] = _report(token, outcome, host_name, local)
+                report = _report(token, outcome, host_name, local)
+                if rcpt.notify and owes_relayed_notice(report.outcome, rcpt.notify, result):
+                    report = dataclasses.replace(report, relayed=True)
+                self.settled[rcpt.address] = report
         self.pending = still
 
     def _ruled(self, outcome: RecipientResult) -> bool:
@@ -325,6 +328,19 @@ class _Walk:
             self.settled[rcpt.address] = _refused(token, refusal, host_name, source.address)
         self.pending = []
         return False
+
+
+def owes_relayed_notice(
+    outcome: Outcome, notify: Collection[Notify], result: TransactionResult
+) -> bool:
+    """Whether a recipient's report must say ``relayed``: delivered, with NOTIFY=SUCCESS,
+    by a server whose EHLO did not offer DSN (or that only took HELO).  RFC 3461 section
+    5.2.2: NOTIFY was not passed on, so the remote owes the sender nothing, and zoneq, the
+    last MTA that knew, must send the "relayed" notice itself (the core composes it).  A
+    server that offers DSN got NOTIFY, ORCPT, RET and ENVID, and owes any notice itself."""
+    return (
+        outcome is Outcome.DELIVERED and Notify.SUCCESS in notify and "DSN" not in result.extensions
+    )
 
 
 def _recipient(address: str, notify: Sequence[str], orcpt: str | None) -> Recipient:

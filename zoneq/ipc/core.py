@@ -89,6 +89,7 @@ class QueueHandler:
                 mx=item.mx,
                 source_ip=item.source_ip,
                 possible_duplicate=item.possible_duplicate,
+                relayed=item.relayed,
             )
             for item in msg.results
         ]

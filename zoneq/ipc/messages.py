@@ -194,6 +194,13 @@ def _bool(body: _Body, name: str, where: str) -> bool:
     return value
 
 
+def _opt_flag(body: _Body, name: str, where: str) -> bool:
+    """An optional flag: absent or None is false (older peers do not send it)."""
+    if body.get(name) is None:
+        return False
+    return _bool(body, name, where)
+
+
 def _bytes(body: _Body, name: str, where: str) -> bytes:
     value = _get(body, name, where)
     if not isinstance(value, bytes):
@@ -357,9 +364,14 @@ class RecipientReport:
     source_ip: str | None = None
     # RFC 1047: the connection was lost after the final dot; see zoneq.protocol.events.
     possible_duplicate: bool = False
+    # Delivered, the recipient asked for NOTIFY=SUCCESS, and the server that took it did
+    # not offer DSN: the core owes the sender a "relayed" notice (RFC 3461 section 5.2.2).
+    # Optional on the wire, sent only when true: absent is false (an older worker), and an
+    # older core ignores it (no notice, as before).
+    relayed: bool = False
 
     def to_wire(self) -> dict[str, object]:
-        return {
+        body: dict[str, object] = {
             "token": self.token,
             "outcome": self.outcome.value,
             "reply": self.reply,
@@ -369,6 +381,9 @@ class RecipientReport:
             "source_ip": self.source_ip,
             "possible_duplicate": self.possible_duplicate,
         }
+        if self.relayed:
+            body["relayed"] = True
+        return body
 
     @classmethod
     def from_wire(cls, body: _Body, where: str) -> RecipientReport:
@@ -386,6 +401,7 @@ class RecipientReport:
             mx=_opt_str(body, "mx", where),
             source_ip=_opt_str(body, "source_ip", where),
             possible_duplicate=_bool(body, "possible_duplicate", where),
+            relayed=_opt_flag(body, "relayed", where),
         )
 
 

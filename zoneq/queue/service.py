@@ -25,6 +25,8 @@ idle ones included, while connections are still reused (issue 3).
 Outcomes: DELIVERED completes the recipient; RETURNED gives it back untried; DEFERRED waits
 for the zone's retry schedule, or expires into a bounce once the schedule gives up;
 BOUNCED removes it with a DSN (``bounces.py``) queued in the bounce zone in the same batch.
+A delivery the worker marks ``relayed`` (NOTIFY=SUCCESS, and the server did not offer DSN)
+completes with a "relayed" notice queued the same way (RFC 3461 section 5.2.2).
 
 Each failure's reply goes to the zone's feedback (``feedback.py``) before it is applied: the
 reply rule that fits it may turn a bounce into a deferral (a block of our source address
@@ -133,6 +135,10 @@ class RecipientOutcome:
     source_ip: str | None = None
     possible_duplicate: bool = False
     category: str | None = None  # a failure's, decided by the core (``_judged``)
+    # Delivered to a server without DSN for a recipient with NOTIFY=SUCCESS: a "relayed"
+    # notice is owed (RFC 3461 section 5.2.2; ``_relay``).  The worker decides it, so the
+    # delivery of every other recipient costs one attribute test here.
+    relayed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -544,6 +550,7 @@ class QueueService:
         refused: list[int] = []
         work: list[Awaitable[int | None]] = []
         failures: dict[int, list[tuple[int, Lease, Failure, Outcome, bool]]] = {}
+        relayed: dict[int, list[tuple[int, Lease, Failure, Outcome]]] = {}  # msg_id -> owed
         deferrals: dict[int, list[tuple[int, Lease, Failure | None, Outcome, int]]] = {}
         damaged: dict[int, list[tuple[int, Lease, Outcome]]] = {}  # msg_id -> to quarantine
         told: list[tuple[Lease, RecipientOutcome, _Running]] = []
@@ -555,8 +562,7 @@ class QueueService:
                 continue
             lease, item, running = claimed
             told.append(claimed)
-            if item.possible_duplicate:
-                _log_duplicate(lease, item)
+            _log_if_duplicate(lease, item)
             outcome = Outcome(
                 reply=item.reply,
                 code=item.code,
@@ -570,6 +576,9 @@ class QueueService:
             settled = self._settled(lease, item, outcome, now)
             if settled is not None:
                 work.append(_guarded(item.token, settled))
+            elif item.result is Result.DELIVERED:  # (``relayed``): one notice per message
+                owed = relayed.setdefault(lease.recipient.msg_id, [])
+                owed.append((item.token, lease, _relayed_report(lease, item), outcome))
             elif item.result is Result.DEFERRED and self._body_damaged(lease, item, checked):
                 # Grouped by message: one hold per damaged message per report.
                 damaged.setdefault(lease.recipient.msg_id, []).append((item.token, lease, outcome))
@@ -598,6 +607,8 @@ class QueueService:
             work.extend(self._bounce(msg_id, group, now))
         for msg_id, deferred in deferrals.items():
             work.extend(self._defer(msg_id, deferred, now))
+        for msg_id, delivered in relayed.items():
+            work.extend(self._relay(msg_id, delivered, now))
         held = [
             self._quarantine_message(
                 msg_id, group, now, f"quarantined: damaged body ({checked[msg_id]})"
@@ -711,15 +722,9 @@ class QueueService:
         first whose deferral is written (``_defer_listed``), and each is marked as notified,
         so none is told twice."""
         delays = self._listed((lease, delay) for _, lease, delay, _, _ in group)
-        notice: Notice | None = None
-        if delays:
-            try:
-                meta = self._store.message(msg_id)
-                notice = self._notice(meta, delays, now, full=False)
-            except (NotFound, StorageCorruption, StorageUnavailable):
-                # No notice without the message (gone, damaged, or the database closed):
-                # the deferrals stand, and the next one owes the notice still.
-                pass
+        # No notice without the message (gone, damaged, or the database closed): the
+        # deferrals stand, and the next one owes the notice still.
+        notice = self._headers_notice(msg_id, delays, now)
         work: list[Awaitable[int | None]] = []
         shared = _SharedNotice(notice) if notice is not None else None
         for token, lease, delay, outcome, next_at in group:
@@ -741,6 +746,45 @@ class QueueService:
         if told:
             lease = replace(lease, recipient=replace(lease.recipient, delay_notified=True))
         await self._store.defer(lease, now, next_at, outcome, delay_notice=notice)
+
+    def _headers_notice(self, msg_id: int, listed: list[Failure], now: int) -> Notice | None:
+        """The notice, with the original's headers only, for ``listed`` of ``msg_id``; None
+        if none is owed, or the message cannot be read (gone, damaged, database closed)."""
+        if not listed:
+            return None
+        try:
+            return self._notice(self._store.message(msg_id), listed, now, full=False)
+        except (NotFound, StorageCorruption, StorageUnavailable) as exc:
+            log.warning("message %s: no notice now: %s", format_id(msg_id), exc, extra=REPEATS)
+            return None
+
+    def _relay(
+        self, msg_id: int, group: list[tuple[int, Lease, Failure, Outcome]], now: int
+    ) -> list[Awaitable[int | None]]:
+        """Complete every recipient of one message in ``group`` (delivered to a server that
+        does not offer DSN, each with NOTIFY=SUCCESS), with one "relayed" notice listing
+        them all (RFC 3461 section 5.2.2), but those already deleted (``_listed``); it rides
+        with the first whose completion is written (``_SharedNotice``).
+
+        RFC 3461 section 4.3: RET applies only to a notice that reports a failure; one that
+        reports none returns the headers only, whatever RET says.  A message that cannot
+        be read now gets no notice: the recipients were delivered, and must not be sent
+        again to make up for it."""
+        listed = self._listed((lease, relayed) for _, lease, relayed, _ in group)
+        notice = self._headers_notice(msg_id, listed, now)
+        shared = _SharedNotice(notice) if notice is not None else None
+        return [
+            _guarded(token, self._complete_listed(lease, now, outcome, shared))
+            for token, lease, _, outcome in group
+        ]
+
+    async def _complete_listed(
+        self, lease: Lease, now: int, outcome: Outcome, shared: _SharedNotice | None
+    ) -> None:
+        """Complete one recipient of a report's group: the first whose completion is written
+        carries the group's "relayed" notice (``_SharedNotice``), in the same batch."""
+        notice = shared.claim(self._store, lease) if shared is not None else None
+        await self._store.complete(lease, now, outcome, notice=notice)
 
     def _bounce(
         self, msg_id: int, group: list[tuple[int, Lease, Failure, Outcome, bool]], now: int
@@ -916,6 +960,8 @@ class QueueService:
         back untried; None for a deferral or a bounce (grouped by message: ``_defer``,
         ``_bounce``).  A message held while this was on the wire is the store's to hold."""
         if item.result is Result.DELIVERED:
+            if item.relayed:
+                return None  # completed with its "relayed" notice (``_relay``)
             return self._store.complete(lease, now, outcome)
         if item.result is Result.RETURNED:
             return _release(self._store, lease)
@@ -1072,10 +1118,12 @@ def _job_group(lease: Lease) -> tuple[int, str]:
     return lease.recipient.msg_id, lease.recipient.domain
 
 
-def _log_duplicate(lease: Lease, item: RecipientOutcome) -> None:
+def _log_if_duplicate(lease: Lease, item: RecipientOutcome) -> None:
     # RFC 1047: the message went out whole but no final reply came back, so the remote may
     # have it; a retry can deliver a second copy.  Logged so that a duplicate can be
     # explained (the event carries the flag too).
+    if not item.possible_duplicate:
+        return
     log.warning(
         "possible duplicate: %016x to %s via %s (%s); retried later",
         lease.recipient.msg_id,
@@ -1096,6 +1144,15 @@ def delayed_status(enhanced: str | None) -> str:
     deferral the same way); no code at all is 4.0.0."""
     parsed = EnhancedStatus.parse(enhanced or "")
     return "4.0.0" if parsed is None else str(replace(parsed, klass=4))
+
+
+def _relayed_report(lease: Lease, item: RecipientOutcome) -> Failure:
+    """The block of a "relayed" notice (RFC 3461 section 5.2.2): the remote's reply to the
+    final dot as the diagnostic, and its status when it gave a 2.x.x one, else 2.0.0 (RFC
+    3463 section 3.1: success, no detail)."""
+    parsed = EnhancedStatus.parse(item.enhanced or "")
+    status = str(parsed) if parsed is not None and parsed.klass == 2 else "2.0.0"
+    return Failure(lease.recipient, status, item.reply or None, item.mx, action=Action.RELAYED)
 
 
 def _reply_of(item: RecipientOutcome) -> Reply | None:

@@ -405,9 +405,16 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             self.release(lease)
         return len(mine)
 
-    async def complete(self, lease: Lease, now_ms: int, outcome: Outcome) -> None:
-        """Delivered: the recipient leaves the queue (and the message with its last one)."""
-        held = Held(lease, functools.partial(self.complete, lease, now_ms, outcome))
+    async def complete(
+        self, lease: Lease, now_ms: int, outcome: Outcome, *, notice: Notice | None = None
+    ) -> None:
+        """Delivered: the recipient leaves the queue (and the message with its last one).
+
+        ``notice``: a "relayed" DSN to queue (RFC 3461 section 5.2.2), committed in the same
+        batch as the completion, as ``bounce`` does with its DSN.
+        """
+        replay = functools.partial(self.complete, lease, now_ms, outcome, notice=notice)
+        held = Held(lease, replay, notice_size(notice))
         if self._hold_if_failed(held):
             return
         self._current(lease)  # a stale lease is refused before anything else is looked at
@@ -420,7 +427,12 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             ops.extend(self._recipients_gone(record.msg_id, head))
         if self._hold_marks:  # delivered: a hold on return has nothing left to hold
             ops.extend(unmark(self._hold_marks, lease.key))
-        await self._write_outcome(held, ops, sync=False)
+        if notice is None:
+            await self._write_outcome(held, ops, sync=False)
+            return
+        notice_ops, ready = self._notice_ops(notice, now_ms)
+        ops.extend(notice_ops)
+        await self._write_outcome(held, ops, sync=True, effect=self._readied(ready))
 
     async def defer(
         self,
