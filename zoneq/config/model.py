@@ -293,7 +293,13 @@ class DeliveryConfig(_Section):
     """How long one MX lookup may take, retries included; then the recipient is deferred."""
 
     allow_loopback_mx: bool = False
-    """Let MX hosts resolve to loopback addresses (tests); otherwise that is a mail loop."""
+    """Let MX hosts resolve to loopback addresses (tests); otherwise that is a mail loop.
+    A loopback address and port the receiver listens on stays a loop even then."""
+
+    max_mx_addresses: Annotated[int, Field(ge=1, le=1000)] = 5
+    """Addresses one delivery attempt connects to at most, over all MX hosts (Postfix's
+    ``smtp_mx_address_limit``, also 5): a domain with a hundred A records behind
+    blackholed addresses must not hold a delivery loop for hours of connect timeouts."""
 
     tls: Literal["opportunistic", "required", "none"] = "opportunistic"
     """STARTTLS policy: use when offered, insist (an MX without it is passed over for the

@@ -15,6 +15,13 @@ a while, so the other delivery loops skip it too; one that worked marks it alive
 connection that failed because our own source address could not be bound (it left the
 host) is our fault, not the host's: the host is not marked dead (``pool.bind_failure``).
 
+One attempt connects to at most ``max_addresses`` addresses (``[delivery]
+max_mx_addresses``, Postfix's ``smtp_mx_address_limit``, 5); the rest wait for the next
+attempt.  A recipient domain that is an address literal is its own one host, with no DNS
+(``MxResolver.literal``).  The envelope carries an ASCII local part at a U-label domain as
+the A-label (``envelope_address``), so a server without SMTPUTF8 can take it; SMTPUTF8 is
+still required when a local part, or the header section, is not ASCII (RFC 6531 3.4).
+
 Address families: the walk tries only the MX addresses of a family the zone's pool has
 (an IPv4 source cannot connect to an IPv6 address, and failing to bind is no news about
 the MX).  A pool with no IPv6 address turns IPv6 off for the zone, whatever ``ipv6`` says;
@@ -73,7 +80,7 @@ from zoneq.delivery.transport import (
 from zoneq.delivery.transport.data import body_damaged
 from zoneq.ipc.messages import Job, Outcome, RecipientReport
 from zoneq.plugin import ConnectArgs, Hook, PluginFailure, PluginHost, SenderHeadersArgs
-from zoneq.protocol.domains import bare_domain
+from zoneq.protocol.domains import a_label, bare_domain
 from zoneq.protocol.dsn import Notify, Ret
 from zoneq.protocol.ids import format_id
 from zoneq.protocol.replies import DAMAGED_BODY, EnhancedStatus, Reply, Verdict
@@ -114,6 +121,7 @@ class Settings:
     zone: str = ""
     zone_header: str = "X-Sending-Zone"  # removed from the copy that goes out (issue 5)
     rules: tuple[ReplyRule, ...] = ()  # reply rules (config ``[reply_rules]``)
+    max_addresses: int = 5  # addresses connected to per attempt (``max_mx_addresses``)
 
     def tls_for(self, domain: str) -> TlsPolicy:
         if self.relay is not None:
@@ -157,7 +165,7 @@ async def attempt(
         if mx.kind is not MxKind.HOSTS:
             return _relay_unresolved(job, mx)
     else:
-        mx = await resolver.resolve(job.domain, ipv6=settings.ipv6)
+        mx = await resolver.resolve(job.domain, ipv6=settings.ipv6)  # a literal as it is
         if mx.kind is not MxKind.HOSTS:
             return _without_connection(job, mx)
     usable = _usable_hosts(mx, settings.families)
@@ -169,7 +177,6 @@ async def attempt(
         refused = await _sender_headers(job, settings.zone, plugins, outgoing)
         if refused is not None:
             return refused
-    tokens = {r.address: r.token for r in job.recipients}
     walk = _Walk(
         job,
         settings=settings,
@@ -178,22 +185,20 @@ async def attempt(
         send=send,
         connections=connections,
         plugins=plugins,
+        smtputf8=await _needs_smtputf8(job, outgoing),
     )
     await walk.run(mx)
-    for rcpt in walk.pending:  # no host settled it: try again later
-        seen = walk.last.get(rcpt.address)
+    for index in walk.pending:  # no host settled it: try again later
+        token = job.recipients[index].token
+        seen = walk.last.get(index)
         if seen is not None:
             outcome, host_name = seen
-            report = _report(tokens[rcpt.address], outcome, host_name, None, Outcome.DEFERRED)
+            report = _report(token, outcome, host_name, None, Outcome.DEFERRED)
         else:
-            report = RecipientReport(
-                tokens[rcpt.address],
-                Outcome.DEFERRED,
-                reply="no MX host could be reached (all are resting after failures)",
-                enhanced="4.4.1",
-            )
-        walk.settled[rcpt.address] = report
-    return [walk.settled[r.address] for r in job.recipients]
+            reason = "no MX host could be reached (all are resting after failures)"
+            report = RecipientReport(token, Outcome.DEFERRED, reply=reason, enhanced="4.4.1")
+        walk.settled[index] = report
+    return [walk.settled[index] for index in range(len(job.recipients))]
 
 
 class _Walk:
@@ -209,6 +214,7 @@ class _Walk:
         send: Send,
         connections: ConnectionCache | None,
         plugins: PluginHost | None = None,
+        smtputf8: bool = False,
     ) -> None:
         self.connections = connections
         connect_hook = plugins is not None and plugins.handles(Hook.SENDER_CONNECT)
@@ -222,25 +228,34 @@ class _Walk:
         self.dead_hosts = dead_hosts
         self.body = body
         self.send = send
-        self.tokens = {r.address: r.token for r in job.recipients}
-        self.pending = [_recipient(r.address, r.notify, r.orcpt) for r in job.recipients]
-        self.settled: dict[str, RecipientReport] = {}
-        self.last: dict[str, tuple[RecipientResult, str]] = {}
+        # Keyed by the recipient's place in the job: two addresses of one job may be sent
+        # as one (a U-label and its A-label, ``envelope_address``).
+        self.tokens = [r.token for r in job.recipients]
+        self.recipients = [_recipient(r.address, r.notify, r.orcpt) for r in job.recipients]
+        self.sender = envelope_address(job.sender)
+        self.pending = list(range(len(job.recipients)))
+        self.settled: dict[int, RecipientReport] = {}
+        self.last: dict[int, tuple[RecipientResult, str]] = {}
+        self.tried = 0  # addresses connected to in this walk
         ret = (job.ret or "").upper()
         self.options = MailOptions(
             ret=Ret(ret) if ret in ("FULL", "HDRS") else None,
             envid=job.envid,
             size=job.size,
             eight_bit=job.body_8bit,
-            smtputf8=job.smtputf8,
+            smtputf8=smtputf8,
         )
 
     async def run(self, mx: MxResult) -> None:
+        # Postfix's smtp_mx_address_limit: a bound on addresses tried, not on hosts, since
+        # one host may have a hundred addresses and each may take 300 s to time out
+        # (RFC 5321 section 4.5.3.2).  Resting addresses cost nothing and do not count.
         for host in mx.hosts:
             for address in host.addresses:
-                if not self.pending:
+                if not self.pending or self.tried >= self.settings.max_addresses:
                     return
                 if not self.dead_hosts.is_dead(address):
+                    self.tried += 1
                     await self._try(host.name, address)
 
     def _source(self, address: str) -> Source:
@@ -259,8 +274,8 @@ class _Walk:
             host=address,
             port=relay.port if relay is not None else self.settings.port,
             helo_name=source.helo_name,
-            sender=self.job.sender,
-            recipients=self.pending,
+            sender=self.sender,
+            recipients=[self.recipients[index] for index in self.pending],
             body=self.body,
             source_address=source.address,
             tls=self.settings.tls_for(self.job.domain),
@@ -279,18 +294,19 @@ class _Walk:
                 self.dead_hosts.mark_dead(address)
         else:
             self.dead_hosts.mark_alive(address)
-        still: list[Recipient] = []
-        for rcpt, outcome in zip(self.pending, result.recipients, strict=True):
+        still: list[int] = []
+        for index, outcome in zip(self.pending, result.recipients, strict=True):
+            rcpt = self.recipients[index]
             if outcome.verdict is Verdict.NEXT_HOST and not self._ruled(outcome):
-                self.last[rcpt.address] = (outcome, host_name)
-                still.append(rcpt)
+                self.last[index] = (outcome, host_name)
+                still.append(index)
             else:
-                token = self.tokens[rcpt.address]
+                token = self.tokens[index]
                 local = result.local or source.address
                 report = _report(token, outcome, host_name, local)
                 if rcpt.notify and owes_relayed_notice(report.outcome, rcpt.notify, result):
                     report = dataclasses.replace(report, relayed=True)
-                self.settled[rcpt.address] = report
+                self.settled[index] = report
         self.pending = still
 
     def _ruled(self, outcome: RecipientResult) -> bool:
@@ -323,9 +339,9 @@ class _Walk:
             if result.reply is None:
                 return True
             refusal = result.reply
-        for rcpt in self.pending:
-            token = self.tokens[rcpt.address]
-            self.settled[rcpt.address] = _refused(token, refusal, host_name, source.address)
+        for index in self.pending:
+            token = self.tokens[index]
+            self.settled[index] = _refused(token, refusal, host_name, source.address)
         self.pending = []
         return False
 
@@ -345,7 +361,44 @@ def owes_relayed_notice(
 
 def _recipient(address: str, notify: Sequence[str], orcpt: str | None) -> Recipient:
     keywords = frozenset(Notify(n.upper()) for n in notify if n.upper() in Notify.__members__)
-    return Recipient(address, notify=keywords, orcpt=orcpt)
+    return Recipient(envelope_address(address), notify=keywords, orcpt=orcpt)
+
+
+def envelope_address(address: str) -> str:
+    """``address`` as the envelope carries it: an ASCII local part at a U-label domain with
+    the domain's A-label (``bob@bücher.example`` as ``bob@xn--bcher-kva.example``).
+
+    RFC 5890 section 2.3.2.1: the two forms are one domain, so the same mailbox, and the
+    A-label form is ASCII: it goes to a server without SMTPUTF8 instead of bouncing 5.6.7
+    (RFC 6531 section 3.4 forbids only sending non-ASCII to it).  A non-ASCII local part
+    has no ASCII form (RFC 6530 section 4.2: no downgrade), and a domain IDNA refuses is
+    kept as it is (the server judges it): both stay non-ASCII, and the transport bounces
+    them at such a server.
+    """
+    local, at, domain = address.rpartition("@")
+    if not at or domain.isascii() or not local.isascii():
+        return address
+    try:
+        return f"{local}@{a_label(domain)}"
+    except ValueError:
+        return address
+
+
+async def _needs_smtputf8(job: Job, outgoing: OutgoingBody) -> bool:
+    """Whether the message itself (not its envelope) needs SMTPUTF8: it came with it (the
+    client said SMTPUTF8, or the API saw a non-ASCII address) and its header section is
+    not ASCII (RFC 6532 UTF-8 fields, which must not go raw to a server without it).
+
+    The envelope is judged by the transport, address by address, after
+    ``envelope_address``: a job flagged only for ``bob@bücher.example`` goes as ASCII.
+    """
+    if not job.smtputf8:
+        return False
+    try:
+        header = await outgoing.header()
+    except Exception:  # the body's fault: it shows again at DATA, and is reported there
+        return True
+    return not (header.isascii() and outgoing.added.isascii())
 
 
 _OUTCOME = {

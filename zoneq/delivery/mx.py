@@ -36,8 +36,15 @@ Theory of operation
 
 The result lists every usable host, so the caller can walk it and try a second host when the
 first one fails.  MX records carry no port: the port to connect to is a setting of the
-caller (25 unless a zone says otherwise).  Address literals (``[192.0.2.1]``) are the
-caller's business too; this module resolves domain names only.
+caller (25 unless a zone says otherwise).
+
+``MxResolver.resolve`` hands an address literal to ``literal`` (``[192.0.2.1]``,
+``[IPv6:2001:db8::1]``): RFC 5321 sections 2.3.5 and 4.1.3 make it a destination without
+DNS, so it is never looked up (a resolver would ask for ``[192.0.2.1].`` and bounce the
+mail as NXDOMAIN).  Its one host is the address itself, through the same loop check as an
+MX host's addresses (our own address, and loopback unless allowed, is ``LOOP``).  A literal
+that is not an IPv4 or tagged IPv6 address (``[2001:db8::1]`` without its tag, a general
+address literal, garbage) is ``BAD_LITERAL``, 5.1.3: no host could ever take it.
 
 ``MxResolver.resolve_host(name)`` is step 2 alone, for a host that is the next hop itself
 rather than a mail domain: a smarthost given by name (Postfix's ``relayhost = [name]``: no
@@ -97,6 +104,8 @@ __all__ = [
     "MxKind",
     "MxResolver",
     "MxResult",
+    "address_literal",
+    "is_address_literal",
     "negative_ttl",
 ]
 
@@ -115,6 +124,7 @@ _NO_DOMAIN_STATUS: Final = EnhancedStatus(5, 1, 2)  # RFC 3463: bad destination 
 _UNROUTABLE_STATUS: Final = EnhancedStatus(5, 4, 4)  # RFC 3463: unable to route
 _TEMPORARY_STATUS: Final = EnhancedStatus(4, 4, 3)  # RFC 3463: directory server failure
 _LOOP_STATUS: Final = EnhancedStatus(5, 4, 6)  # RFC 3463: routing loop detected
+_BAD_LITERAL_STATUS: Final = EnhancedStatus(5, 1, 3)  # RFC 3463: bad destination syntax
 
 
 class MxKind(enum.Enum):
@@ -132,6 +142,8 @@ class MxKind(enum.Enum):
     """The resolver failed (SERVFAIL, timeout, no reply): defer, do not bounce."""
     LOOP = "loop"
     """Every remaining MX host is this machine: bounce, mail would loop back to us."""
+    BAD_LITERAL = "bad-literal"
+    """An address literal that is no address (RFC 5321 section 4.1.3): bounce."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,6 +369,8 @@ class MxResolver:
         ``ipv6`` False leaves out AAAA lookups and IPv6 addresses, for zones without IPv6.
         """
         domain = domain.rstrip(".").lower()
+        if is_address_literal(domain):
+            return self.literal(domain, ipv6=ipv6)  # RFC 5321 section 2.3.5: no DNS
         qname = _parse_name(domain)
         if isinstance(qname, MxResult):
             return qname
@@ -389,6 +403,26 @@ class MxResolver:
             return MxResult(MxKind.NO_DOMAIN, name, reason, _NO_DOMAIN_STATUS)
         reason = f"host {name} has no {_family_text(ipv6)}"
         return MxResult(MxKind.UNROUTABLE, name, reason, _UNROUTABLE_STATUS)
+
+    def literal(self, domain: str, *, ipv6: bool = True) -> MxResult:
+        """An address literal as its one host, or why it cannot be one: ``BAD_LITERAL``
+        (no address), ``LOOP`` (ourselves), ``UNROUTABLE`` (IPv6 with ``ipv6`` False)."""
+        parsed = address_literal(domain)
+        if isinstance(parsed, str):
+            reason = f"{domain} is not a valid address literal: {parsed}"
+            return MxResult(MxKind.BAD_LITERAL, domain, reason, _BAD_LITERAL_STATUS)
+        address = str(parsed)
+        if self._is_own(parsed):
+            reason = f"mail for {domain} loops back to myself (address {address})"
+            return MxResult(MxKind.LOOP, domain, reason, _LOOP_STATUS)
+        if _is_unusable(parsed):
+            reason = f"address literal {domain} is link-local or multicast, not a mail server"
+            return MxResult(MxKind.UNROUTABLE, domain, reason, _UNROUTABLE_STATUS)
+        if parsed.version == 6 and not ipv6:
+            reason = f"address literal {domain} is IPv6, and IPv6 is turned off"
+            return MxResult(MxKind.UNROUTABLE, domain, reason, _UNROUTABLE_STATUS)
+        host = MxHost(address, 0, (address,))
+        return MxResult(MxKind.HOSTS, domain, f"address literal {domain}", None, (host,))
 
     async def _candidates(
         self, domain: str, qname: dns.name.Name
@@ -482,13 +516,13 @@ class MxResolver:
     def _is_self(self, name: str, addresses: Sequence[str]) -> bool:
         if name in self._own_names:
             return True
-        for text in addresses:
-            ip = ipaddress.ip_address(text)
-            if ip in self._own_addresses:
-                return True
-            if not self._allow_loopback and _is_local(ip):
-                return True
-        return False
+        return any(self._is_own(ipaddress.ip_address(text)) for text in addresses)
+
+    def _is_own(self, ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+        """One of our addresses, or one that reaches this machine (unless allowed)."""
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped in self._own_addresses:
+            return True
+        return ip in self._own_addresses or (not self._allow_loopback and _is_local(ip))
 
     @staticmethod
     def _temporary(domain: str, reason: str) -> MxResult:
@@ -589,6 +623,33 @@ def _best_records(mx: Iterable[tuple[int, str]], limit: int) -> list[tuple[int, 
     # rather than favouring names early in the alphabet.
     ordered = sorted(((preference, name) for name, preference in best.items()), key=_first)
     return ordered[:limit]
+
+
+def is_address_literal(domain: str) -> bool:
+    """Whether a recipient's domain is an address literal (RFC 5321 section 4.1.3)."""
+    return domain.startswith("[")
+
+
+def address_literal(domain: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | str:
+    """The address in ``[192.0.2.1]`` or ``[IPv6:2001:db8::1]`` (the tag in any case, RFC
+    5321 section 4.1.3), or a text saying why ``domain`` is not such a literal."""
+    if not (domain.startswith("[") and domain.endswith("]")):
+        return "not enclosed in [ ]"
+    inner = domain[1:-1]
+    tag, colon, rest = inner.partition(":")
+    if colon and tag.lower() == "ipv6":
+        try:
+            return ipaddress.IPv6Address(rest)
+        except ValueError:
+            return f"{rest!r} is not an IPv6 address"
+    if colon:
+        # An IPv6 address without its tag, or a general address literal (a tag of some
+        # other registered kind): RFC 5321 defines no way to deliver to either.
+        return "only IPv4 and IPv6: addresses are supported"
+    try:
+        return ipaddress.IPv4Address(inner)
+    except ValueError:
+        return f"{inner!r} is not an IPv4 address"
 
 
 def _first(record: tuple[int, str]) -> int:

@@ -37,6 +37,7 @@ from zoneq.config.zones import Smarthost
 from zoneq.delivery.attempt import Relay, Settings, attempt
 from zoneq.delivery.hostcache import DeadHostCache
 from zoneq.delivery.mx import MxResolver, system_nameservers
+from zoneq.delivery.ourselves import ourselves
 from zoneq.delivery.pool import SourcePool
 from zoneq.delivery.transport import ConnectionCache, TlsPolicy
 from zoneq.delivery.transport.data import exact_size
@@ -69,6 +70,7 @@ def settings_for(config: Config, zone: str) -> Settings:
         zone=zone,
         zone_header=config.routing.zone_header,
         rules=config.reply_rules.compiled(),
+        max_addresses=config.delivery.max_mx_addresses,
     )
 
 
@@ -100,6 +102,8 @@ def _relay_host(host: str) -> str:
 def resolver_for(config: Config) -> MxResolver:
     nameservers = config.delivery.nameservers or system_nameservers()
     hostname = config.server.resolved_hostname()
+    # RFC 5321 section 5.1: our names *and addresses* (listeners, pools, interfaces).
+    us = ourselves(config)
     return MxResolver(
         nameservers=nameservers,
         port=config.delivery.dns_port,
@@ -108,7 +112,8 @@ def resolver_for(config: Config) -> MxResolver:
         clock=time.monotonic,
         rng=random.Random(),
         own_names={hostname},
-        allow_loopback=config.delivery.allow_loopback_mx,
+        own_addresses=us.addresses,
+        allow_loopback=us.allow_loopback,
     )
 
 
