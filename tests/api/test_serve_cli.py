@@ -152,7 +152,10 @@ def upload_memory(serve: Serve, config: Path, big: Path) -> None:
     """``zoneq send`` of a 100 MB file: the serve process's anonymous memory grows by no
     more than 32 MiB (LevelDB's memtables included), then it is deleted through the CLI."""
     warm = big.with_name("warm.eml")  # first use of the upload path: imports, buffers
-    warm.write_bytes(b"From: big@src.test\r\nTo: big@ok.test\r\n\r\n" + b"w" * 300_000)
+    # 300 KB in lines of 998 octets: a longer line is refused (RFC 5322 2.1.1).
+    warm.write_bytes(
+        b"From: big@src.test\r\nTo: big@ok.test\r\n\r\n" + (b"w" * 998 + b"\r\n") * 300
+    )
     ok(config, "queue", "delete", ok(config, "send", str(warm))["id"])
     before = rss_anon_kib(serve.pid)
     assert before is not None

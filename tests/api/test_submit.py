@@ -40,6 +40,11 @@ def nothing_stored(store: QueueStore) -> bool:
     )
 
 
+def lines_of(size: int, fill: bytes = b"y") -> bytes:
+    """``size`` octets of body text in lines of 100 (a line may hold 998, RFC 5322 2.1.1)."""
+    return ((fill * 98 + b"\r\n") * (size // 100 + 1))[:size]
+
+
 def source_of(store: QueueStore, msg_id: str) -> bytes:
     return b"".join(store.body(parse_id(msg_id)))
 
@@ -249,7 +254,7 @@ async def test_raw_upload_refusals_store_nothing(
 async def test_over_the_size_limit_is_413_and_nothing_stored(stores: StoreFactory) -> None:
     store = stores.open(chunk_size=4096)
     async with api_running(store, make_config(max_size="64KiB")) as api:
-        big = RAW + b"x" * 70_000
+        big = RAW + lines_of(70_000, b"x")
 
         async def trickle():  # no Content-Length: the limit is found while streaming
             for start in range(0, len(big), 5000):
@@ -269,7 +274,7 @@ async def test_storage_failure_at_commit_is_503_and_nothing_queued(stores: Store
     queued; what was written is an orphan that the next start's recovery sweeps."""
     store = stores.open(faulty=True, chunk_size=4096)
     db = stores.faulty(store)
-    head = RAW + b"y" * (3 * 4096)
+    head = RAW + lines_of(3 * 4096)
 
     async def body():
         yield head[: 3 * 4096]

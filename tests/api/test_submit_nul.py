@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.api.conftest import api_running, async_test
-from tests.api.test_submit import BASE, RAW, nothing_stored, raw, source_of
+from tests.api.test_submit import BASE, RAW, lines_of, nothing_stored, raw, source_of
 from tests.storage.conftest import StoreFactory
 from zoneq.api.mime import build
 from zoneq.api.models import Submission
@@ -58,7 +58,7 @@ async def test_nul_after_chunks_were_written_abandons_them(stores: StoreFactory)
     """The NUL arrives after three chunks are on disk: 400, and they are removed."""
     store = stores.open(faulty=True, chunk_size=4096)
     db = stores.faulty(store)
-    head = RAW + b"y" * (3 * 4096)
+    head = RAW + lines_of(3 * 4096)
 
     async def body() -> AsyncIterator[bytes]:
         yield head

@@ -14,7 +14,7 @@ from urllib.parse import urlencode
 import pytest
 
 from tests.api.conftest import TOKEN, api_running, async_test
-from tests.api.test_submit import BASE, nothing_stored, raw, source_of
+from tests.api.test_submit import BASE, lines_of, nothing_stored, raw, source_of
 from tests.storage.conftest import StoreFactory
 from zoneq.protocol.ids import parse_id
 from zoneq.queue.rawtext import HEADER_LIMIT
@@ -275,7 +275,7 @@ async def test_client_gone_mid_upload_is_logged_at_info_and_nothing_stored(
         port = int(api.base.rsplit(":", 1)[1])
         for seen, framing in enumerate(("Content-Length: 1000000", "Transfer-Encoding: chunked")):
             _, writer = await asyncio.open_connection("127.0.0.1", port)
-            head = b"From: a@src.test\r\nTo: b@ok.test\r\n\r\n" + b"y" * 20_000
+            head = b"From: a@src.test\r\nTo: b@ok.test\r\n\r\n" + lines_of(20_000)
             if framing.startswith("Transfer"):
                 head = b"%x\r\n" % len(head) + head + b"\r\n"  # no last chunk: cut off
             writer.write(

@@ -13,6 +13,15 @@ as a real line break: a second field, or the end of the header section.  So, two
 - every header field of every part is checked as written (``_Checked``, CPython's rule):
   a line break not followed by a space or a tab is refused, whatever let it through.
 
+Folding (``_Checked``): fields are folded within 78 octets where they can be (RFC 5322
+section 2.1.1's SHOULD), and non-ASCII text goes as RFC 2047 encoded-words of at most 75
+characters (its section 2).  But the email package also turns an ASCII word too long for
+78 octets into encoded-words, only to wrap it, and RFC 2047 section 5 allows them only in
+*text, phrases and comments: a List-Unsubscribe URL (RFC 2369, RFC 8058 one-click), an
+In-Reply-To or References msg-id would be broken.  A field that needs no encoded-word when written
+unfolded is written without any, folded at its spaces (a longer word on a line of its own);
+a line still over 998 octets (the MUST) is refused, naming the JSON field.
+
 Domains are written as A-labels (IDNA, UTS 46): RFC 2047 section 5 forbids an encoded-word
 in an addr-spec, which is how the email package writes a non-ASCII domain.  A non-ASCII
 local part has no ASCII form: it is written as UTF-8 (RFC 6532), in a message that needs
@@ -48,6 +57,7 @@ import idna
 
 from zoneq.api.models import Submission
 from zoneq.queue.intake import NUL_REFUSED, Envelope, Unacceptable, check_address
+from zoneq.queue.line_limit import MAX_LINE, LineTooLong, check_lines
 
 # RFC 5322 section 3.6.8: a field name is printable ASCII but the colon.
 _FIELD_NAME: Final = re.compile(r"[!-9;-~]{1,76}")
@@ -62,6 +72,20 @@ _ENCODED_WORD: Final = re.compile(r"=\?[^?]*\?[qQbB]\?.*?\?=", re.DOTALL)
 # LF followed by a space through; here any bare CR or LF is refused too (RFC 5322 2.2: CR
 # and LF only together), and a CRLF must be followed by a space or a tab (folding, 2.2.3).
 _UNFOLDED_BREAK: Final = re.compile(rb"\r(?!\n)|(?<!\r)\n|\r\n(?![ \t])")
+# The email package fills a folded line with its encoded-words: at 78 they are 77 long.  RFC
+# 2047 section 2 allows 75, so headers are folded at 76 (the fold's space and 75).
+_ENCODED_WORD_FOLD: Final = 76
+# An RFC 2047 encoded-word's start, as the email package writes one.
+_WRITTEN_WORD: Final = re.compile(rb"=\?[^?\s]+\?[qQbB]\?")
+# Where a field may fold (RFC 5322 2.2.3): before a run of spaces or tabs that a word
+# follows, so that no line is only white space.
+_FOLD_POINT: Final = re.compile(rb"(?<=[^ \t])(?=[ \t]+[^ \t])")
+_UNFOLD: Final = re.compile(rb"\r\n(?=[ \t])")
+# The JSON key each field zoneq writes comes from, to name it in an error.
+_JSON_KEY: Final = {
+    "from": "from", "to": "to", "cc": "cc", "reply-to": "reply_to", "subject": "subject",
+    "content-disposition": "attachments (a filename)",
+}  # fmt: skip
 # Maintypes whose parts may not be base64-encoded (RFC 2045 6.4, RFC 2046 5.2.1).
 _UNENCODABLE: Final = frozenset({"multipart", "message"})
 # Fields zoneq writes itself, from the JSON's own keys, or that a client must not forge.
@@ -77,13 +101,51 @@ RESERVED: Final = frozenset(
 class _Checked(EmailPolicy):
     """``policy.SMTP`` with a check of every generated header field, as CPython 3.11.10
     does (its fix for CVE-2024-6923, which this Python may lack), and stricter: a line
-    break must be a CRLF followed by a space or a tab, or it starts another field."""
+    break must be a CRLF followed by a space or a tab, or it starts another field.  No
+    encoded-word only to wrap ASCII, and no line over 998 octets (the module docstring)."""
 
     def fold_binary(self, name: str, value: str) -> bytes:
-        folded = super().fold_binary(name, value)
-        if _UNFOLDED_BREAK.search(folded.removesuffix(b"\r\n")):
+        # EmailPolicy's own folding (not this method again) on a clone.
+        narrow = self.clone(max_line_length=_ENCODED_WORD_FOLD)
+        folded = EmailPolicy.fold_binary(narrow, name, value)
+        # The package can also leave an empty line where a word fills a line exactly (a
+        # display name's word of 76 octets at 76): folded at the spaces instead, too.
+        if _WRITTEN_WORD.search(folded) or _broken(folded):
+            # Written on one line (no limit: None), the field holds an encoded-word only
+            # where its text needs one.
+            wide = EmailPolicy.fold_binary(self.clone(max_line_length=None), name, value)
+            if not _WRITTEN_WORD.search(wide):
+                folded = _fold_at_spaces(wide, self.max_line_length or MAX_LINE)
+        if _broken(folded):
             raise Unacceptable(f"header field {name!r}: would hold a line break (injection)")
+        try:
+            check_lines(folded.removesuffix(b"\r\n"))
+        except LineTooLong:
+            key = _JSON_KEY.get(name.lower(), f"headers.{name}")
+            raise Unacceptable(
+                f"{key}: the {name} field would have a line longer than {MAX_LINE} octets "
+                "(RFC 5322 section 2.1.1): shorten its longest word"
+            ) from None
         return folded
+
+
+def _broken(field: bytes) -> bool:
+    """Whether a written field holds a line break that is no fold (it ends in CRLF)."""
+    return _UNFOLDED_BREAK.search(field.removesuffix(b"\r\n")) is not None
+
+
+def _fold_at_spaces(field: bytes, width: int) -> bytes:
+    """``field`` (CRLF-ended) folded before its white space (RFC 5322 2.2.3: unfolding
+    takes the CRLF out, so the value is unchanged) into lines of ``width`` where a word
+    allows; the first word stays on the field name's line."""
+    pieces = _FOLD_POINT.split(_UNFOLD.sub(b"", field.removesuffix(b"\r\n")))
+    lines = [b"".join(pieces[:2])]
+    for piece in pieces[2:]:
+        if len(lines[-1]) + len(piece) <= width:
+            lines[-1] += piece
+        else:
+            lines.append(piece)
+    return b"\r\n".join(lines) + b"\r\n"
 
 
 POLICY: Final = _Checked(linesep="\r\n")

@@ -9,10 +9,11 @@ every chunk written, so a failed submission leaves nothing behind.
 
 Line ends are made CRLF as the text arrives (``zoneq.queue.rawtext``: bare CR and LF
 included, and a last line end added), so the stored text is what goes on the wire and its
-size is exact; NUL is refused.  The header section is buffered until it ends (up to 1 MiB,
-found by the ``email`` parser's own rule, so a message without an empty line, or one whose
-section spans chunks, is read whole) and stored on top with the Date and Message-ID it
-lacks.
+size is exact; NUL is refused, and so is a line over 998 octets (RFC 5322 section 2.1.1,
+``zoneq.queue.line_limit``: the error names the line).  The header section is buffered
+until it ends (up to 1 MiB, found by the ``email`` parser's own rule, so a message without
+an empty line, or one whose section spans chunks, is read whole) and stored on top with
+the Date and Message-ID it lacks.
 
 The envelope is given by the caller, or what is missing of it taken from that section: the
 first ``Sender``/``From`` address as the sender, and every ``To``, ``Cc`` and ``Bcc``
@@ -55,6 +56,7 @@ from zoneq.plugin import Drop, PluginHost
 from zoneq.protocol.relay_addresses import is_percent_hack
 from zoneq.protocol.replies import Reply
 from zoneq.queue.consults import ROUTE_DEADLINE_S, consult_all
+from zoneq.queue.line_limit import LineLimit, LineTooLong
 from zoneq.queue.rawtext import CrlfLines, HeaderSection, SectionTooLong
 from zoneq.queue.routing import Route, Router
 from zoneq.storage.records import MessageMeta, NewRecipient
@@ -476,6 +478,7 @@ class Intake:
         fills.  What was stored, but the last partial chunk: that is the commit's tail."""
         step = self.store.chunk_size
         lines = CrlfLines()
+        limit = LineLimit()  # the client's lines, numbered as it sent them
         found: HeaderSection | None = HeaderSection()
         header: _Header | None = None
         buffer = bytearray()
@@ -496,6 +499,10 @@ class Intake:
             taken += len(text)
             if taken > self.max_size:
                 raise TooLarge(f"message is over {self.max_size} octets")
+            try:
+                limit.feed(text)
+            except LineTooLong as exc:
+                raise Unacceptable(str(exc)) from None
             if found is not None:
                 if not self._section_ended(found, text, ended=ended):
                     continue
