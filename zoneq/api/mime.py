@@ -189,7 +189,7 @@ def _plain(value: str, what: str) -> str:
 @dataclass(frozen=True, slots=True)
 class _Mailbox:
     header: Address  # as written: an A-label domain
-    envelope: str  # as given: the envelope and routing see what the client sent
+    envelope: str  # as given; ``Envelope.checked`` A-labels its domain if the local part is ASCII
     what: str
 
     @property
@@ -259,7 +259,9 @@ def build(submission: Submission, *, hostname: str, now_ms: int) -> tuple[bytes,
         mail_from = submission.envelope_from
     else:
         mail_from = sender.envelope
-    recipients = tuple(dict.fromkeys(box.envelope for box in (*to, *cc, *bcc)))
+    # Checked, U-label domains of ASCII local parts A-labelled (RFC 6531 wants SMTPUTF8
+    # only for a non-ASCII local part), repeats removed (RFC 5321 2.4: the domain's case).
+    recipients = tuple(box.envelope for box in (*to, *cc, *bcc))
     envelope = Envelope(mail_from, recipients).checked()
     msg = EmailMessage(policy=_policy([sender, *to, *cc, *reply_to], envelope))
     try:

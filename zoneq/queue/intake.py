@@ -21,7 +21,9 @@ address as recipients, like ``sendmail -t``.  When the recipients come from ther
 ``Bcc`` field is removed from the stored text, since showing it to the other recipients
 would disclose them (RFC 5322 section 3.6.3).  Addresses are checked as RFC 5321 has them
 (``check_address``), and a recipient with the percent hack is refused, as the SMTP
-receiver refuses it at RCPT from every client.
+receiver refuses it at RCPT from every client.  An ASCII local part at a U-label domain is
+queued with the domain's A-label, so the message needs no SMTPUTF8 for it (RFC 6531), and a
+recipient given twice (the domain in another case) is queued once (``Envelope.checked``).
 
 Routing is the receiver's (issue 5): the rules with the envelope sender and the client's
 address, and the routing header (``routing.zone_header``) honoured, since an API client
@@ -53,6 +55,7 @@ from typing import Final
 from zoneq.config import Config
 from zoneq.errors import ZoneqError
 from zoneq.plugin import Drop, PluginHost
+from zoneq.protocol.domains import a_label, normal_domain
 from zoneq.protocol.relay_addresses import is_percent_hack
 from zoneq.protocol.replies import Reply
 from zoneq.queue.consults import ROUTE_DEADLINE_S, consult_all
@@ -73,6 +76,8 @@ __all__ = [
     "Unacceptable",
     "check_address",
     "check_recipient",
+    "envelope_address",
+    "unique_recipients",
 ]
 
 # RFC 5321 section 4.5.3.1: local part 64 octets, domain 255, a path 256 with its brackets.
@@ -199,6 +204,34 @@ def check_recipient(address: str) -> str:
     return address
 
 
+def envelope_address(address: str, *, what: str = "address") -> str:
+    """A checked address as the envelope carries it: an ASCII local part at a U-label
+    domain gets the domain's A-label (RFC 5890 section 2.3.2.1).
+
+    RFC 6531 needs SMTPUTF8 only for an address with no ASCII form, that is a non-ASCII
+    local part; a domain has one.  Kept as a U-label, it would make the whole message need
+    SMTPUTF8, and every recipient bounce at an MX without it (``smtputf8`` below).  A
+    non-ASCII local part is kept as given: the message needs SMTPUTF8 anyway."""
+    local, at, domain = address.rpartition("@")
+    if not at or domain.isascii() or not local.isascii():
+        return address
+    try:
+        return f"{local}@{a_label(domain)}"
+    except ValueError as exc:
+        raise Unacceptable(f"{what} {address!r}: {exc}") from None
+
+
+def unique_recipients(addresses: Iterable[str]) -> tuple[str, ...]:
+    """``addresses`` without repeats, the first spelling kept: RFC 5321 section 2.4 makes
+    domains case-insensitive (and a U-label is its A-label, ``normal_domain``) but leaves
+    local parts to their domain, so ``Bob@x`` and ``bob@x`` are two mailboxes."""
+    first: dict[tuple[str, str], str] = {}
+    for address in addresses:
+        local, _, domain = address.rpartition("@")
+        first.setdefault((local, normal_domain(domain)), address)
+    return tuple(first.values())
+
+
 @dataclass(frozen=True, slots=True)
 class Envelope:
     """MAIL FROM ("" for the null reverse-path) and RCPT TO addresses."""
@@ -207,13 +240,17 @@ class Envelope:
     recipients: tuple[str, ...]
 
     def checked(self) -> Envelope:
-        if self.sender:
-            check_address(self.sender, what="sender")
+        """This envelope checked (``Unacceptable``), as it is queued: domains A-labelled
+        where the local part is ASCII (``envelope_address``), recipients without repeats."""
+        sender = self.sender
+        if sender:
+            sender = envelope_address(check_address(sender, what="sender"), what="sender")
         if not self.recipients:
             raise Unacceptable("no recipients")
-        for rcpt in self.recipients:
-            check_recipient(rcpt)
-        return self
+        recipients = unique_recipients(
+            envelope_address(check_recipient(rcpt), what="recipient") for rcpt in self.recipients
+        )
+        return Envelope(sender, recipients)
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,7 +376,7 @@ def envelope_from_headers(
     wanted = recipients or _addresses(fields, ["To", "Cc", "Bcc"])
     if not wanted:
         raise Unacceptable("no recipients given and no To, Cc or Bcc field to take them from")
-    return Envelope(senders[0], tuple(dict.fromkeys(wanted))).checked()
+    return Envelope(senders[0], tuple(wanted)).checked()
 
 
 class Intake:
@@ -381,12 +418,12 @@ class Intake:
         again later); in every case nothing is stored.
         """
         if envelope is not None:
-            envelope.checked()
-        else:
+            envelope = envelope.checked()
+        else:  # refused before any of the text is read
             if sender:
-                check_address(sender, what="sender")
+                envelope_address(check_address(sender, what="sender"), what="sender")
             for rcpt in recipients:
-                check_recipient(rcpt)
+                envelope_address(check_recipient(rcpt), what="recipient")
         if size_hint > self.max_size:
             raise TooLarge(f"message of {size_hint} octets is over {self.max_size}")
         now = self.clock()
@@ -405,7 +442,8 @@ class Intake:
                 size=text.size,
                 chunks=text.chunks,
                 received_ms=now,
-                # RFC 6531: a non-ASCII address needs SMTPUTF8; RFC 6152: 8-bit, 8BITMIME.
+                # RFC 6531: a non-ASCII address needs SMTPUTF8 (a U-label domain with an
+                # ASCII local part has its A-label by now); RFC 6152: 8-bit, 8BITMIME.
                 smtputf8=not all(a.isascii() for a in (envelope.sender, *envelope.recipients)),
                 body_8bit=text.eight_bit,
                 headers=text.header.browse,
