@@ -3,10 +3,14 @@ the document says (status codes listed for each operation)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.api.conftest import api_running, async_test, make_config
+from tests.api.conftest import api_running, async_test, make_config, queue_message
+from tests.api.test_suppression import empty_list, suppression_config
 from zoneq.api.app import create_app
+from zoneq.protocol.ids import format_id
 from zoneq.queue.service import QueueService
 from zoneq.storage.store import QueueStore
 
@@ -59,3 +63,31 @@ async def test_answers_are_among_the_documented_statuses(store: QueueStore) -> N
                     kwargs["json"] = {"zone": "default"} if "purge" in path else {}
                 status, _ = await api.call(method.upper(), concrete, **kwargs)
                 assert str(status) in operation["responses"], (method, path, status)
+
+
+@async_test
+async def test_a_request_body_is_required_exactly_where_the_document_says(
+    store: QueueStore, tmp_path: Path
+) -> None:
+    """Every operation with a request body, called without one on a path that exists (a
+    queued message, a zone, a suppression list with its plugin on): a 400 when the
+    document marks the body required, and not a 400 when it does not (OpenAPI 3.1 section
+    4.8.13: optional unless marked)."""
+    msg_id = format_id(await queue_message(store, [("bob@ok.test", "default")]))
+    config = suppression_config(empty_list(tmp_path))
+    checked = set()
+    async with api_running(store, config=config) as api:
+        _, document = await api.call("GET", "/openapi.json")
+        for path, item in document["paths"].items():
+            concrete = path.format(id=msg_id, zone="default", domain="ok.test")
+            for method, operation in item.items():
+                if "requestBody" not in operation:
+                    continue
+                required = operation["requestBody"]["required"]
+                status, body = await api.call(method.upper(), concrete)
+                assert (status == 400) == required, (method, path, required, status, body)
+                checked.add((method, path, required))
+    # The hold routes take no body (no reason); the others cannot go without one.
+    assert ("post", "/api/v1/zones/{zone}/hold", False) in checked
+    assert ("post", "/api/v1/messages/{id}/hold", False) in checked
+    assert ("post", "/api/v1/queue/purge", True) in checked

@@ -52,9 +52,12 @@ def _op(
     *,
     params: tuple[dict[str, Any], ...] = (),
     body: dict[str, Any] | None = None,
+    required: bool = True,
     errors: tuple[int, ...] = (),
     status: str = "200",
 ) -> dict[str, Any]:
+    """One operation; ``required`` says whether its ``body`` must be sent (OpenAPI 3.1
+    section 4.8.13: a request body is optional unless marked so)."""
     responses: dict[str, Any] = {status: ok}
     for code in (401, *errors):
         responses[str(code)] = {
@@ -65,7 +68,7 @@ def _op(
     if params:
         operation["parameters"] = list(params)
     if body is not None:
-        operation["requestBody"] = {"required": True, "content": body}
+        operation["requestBody"] = {"required": required, "content": body}
     return operation
 
 
@@ -108,6 +111,7 @@ def _message_op(summary: str) -> dict[str, Any]:
 
 
 ZONE_STATE: Final = _json(models.ZoneState, "the zone's pause state")
+# Optional: without it the hold has no reason (``operations._optional``).
 HOLD_BODY: Final = {JSON: {"schema": _ref(models.HoldRequest)}}
 NDJSON: Final = {
     "description": "one JSON object per line, from one consistent snapshot",
@@ -186,6 +190,7 @@ PATHS: Final[dict[str, dict[str, Any]]] = {
             _json(models.HoldCount, "held now (count), and to be held on return (on_return)"),
             params=(MSG_ID,),
             body=HOLD_BODY,
+            required=False,
             errors=(400, 404, 409, 503),
         )
     },
@@ -245,6 +250,7 @@ PATHS: Final[dict[str, dict[str, Any]]] = {
             COUNT,
             params=(ZONE,),
             body=HOLD_BODY,
+            required=False,
             errors=(400, 404, 503),
         )
     },
