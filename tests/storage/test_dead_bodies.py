@@ -8,14 +8,26 @@ store on disk; the body is incompressible, so the sizes are the data's.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 from pathlib import Path
 
 import pytest
 
 from tests.queue.test_service import Z
-from tests.storage.conftest import T0, StoreFactory, assert_consistent, async_test, queue_message
-from zoneq.storage.records import State
+from tests.storage.conftest import (
+    T0,
+    StoreFactory,
+    assert_consistent,
+    async_test,
+    make_meta,
+    queue_message,
+)
+from zoneq.errors import StorageUnavailable
+from zoneq.storage import keys
+from zoneq.storage.base import dead_body_key
+from zoneq.storage.records import NewRecipient, State
 from zoneq.storage.store import QueueStore
 
 MIB = 1 << 20
@@ -94,4 +106,51 @@ async def test_a_dead_body_is_still_compacted_after_a_stop_before_the_round(
     await store.close()
     store = stores.open()
     assert store._dead_bodies == set()  # compacted once: the record went with it
+    await assert_consistent(store)
+
+
+@async_test
+async def test_a_round_while_the_deletes_are_staged_leaves_the_body_for_the_next(
+    stores: StoreFactory,
+) -> None:
+    """A maintenance round between an operator's delete and its batch landing must not
+    compact (nothing is deleted yet) and forget the body: 8 MiB stayed until a restart."""
+    store = stores.open()
+    directory = stores.path
+    msg_id = await big_message(store)
+    before = body_in_tables(store, directory)
+    drop = asyncio.create_task(store.drop(msg_id, T0))
+    while msg_id not in store._dead_bodies:
+        await asyncio.sleep(0)
+    assert store.database.get(dead_body_key(msg_id)) is None  # staged, not landed
+    store.compact()  # the round, now
+    assert await drop == 2
+    await store.drain()
+    store.compact()  # the next round
+    assert_space_back(directory, before)
+    assert store.database.get(dead_body_key(msg_id)) is None  # and the record went
+    await assert_consistent(store)
+
+
+@async_test
+async def test_a_big_message_whose_failed_commit_landed_gives_its_space_back(
+    stores: StoreFactory,
+) -> None:
+    """A commit whose sync failed but whose batch is in the log is removed at the reopen
+    (its client was told 4xx): a failing or full disk is when its body's space matters."""
+    store = stores.open(faulty=True, sync_commits=True)
+    directory = stores.path
+    msg_id = store.begin(T0)
+    chunks = BODY_MIB * MIB // CHUNK
+    for index in range(chunks):
+        await store.write_chunk(msg_id, index, os.urandom(CHUNK))
+    before = body_in_tables(store, directory)
+    stores.faulty(store).fail_syncs = 1
+    meta = make_meta(msg_id, size=BODY_MIB * MIB, chunks=chunks)
+    with contextlib.suppress(StorageUnavailable):
+        await store.commit(meta, (NewRecipient("a@dest.test", Z),), T0)
+    store.reopen()
+    assert store.database.get(keys.message_head(msg_id)) is None  # removed by the reopen
+    store.compact()  # the maintenance round
+    assert_space_back(directory, before)
     await assert_consistent(store)

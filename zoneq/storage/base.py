@@ -263,7 +263,9 @@ class StoreBase:
                     text="commit failed (the client was told 4xx)",
                 )
                 ops.append(self._event_op(dropped))
-            ops.extend(self._message_deletes(msg_id))
+            deletes = self._message_deletes(msg_id)
+            ops.extend(deletes)
+            ops.extend(self._note_dead_body(msg_id, len(deletes) - 2))  # all but head, meta
             self._counters.add(MESSAGES, -1)
             self._receiving.pop(msg_id, None)
             log.warning("removed message %016x: its commit failed (4xx) but landed", msg_id)

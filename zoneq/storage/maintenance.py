@@ -124,6 +124,12 @@ class MaintenanceMixin(StoreBase):
         # Each message's own range, not the span between the oldest and newest: live
         # messages received meanwhile sort in between and would be rewritten for nothing.
         for msg_id in sorted(self._dead_bodies):
+            record = dead_body_key(msg_id)
+            if self._writer.pending(record) is not self._writer.MISSING:
+                continue  # its deletes are still staged: compacted now, nothing would go
+            if self._db.get(record) is None:
+                self._dead_bodies.discard(msg_id)  # its batch failed: nothing was deleted
+                continue
             # (The next id's prefix bounds every key of this one: head, metadata, chunks.)
             # Twice: LevelDB's CompactRange flushes the memtable (the deletes) first, then
             # compacts only the levels that held files in the range before that flush, so
@@ -133,7 +139,7 @@ class MaintenanceMixin(StoreBase):
             self._db.compact_range(start, stop)
             self._db.compact_range(start, stop)
             # After it: a failed one is tried next round, or after a restart.
-            self._db.write([(dead_body_key(msg_id), None)], sync=False)
+            self._db.write([(record, None)], sync=False)
             self._dead_bodies.discard(msg_id)
             self.space.free_bytes(fresh=True)  # the space is back: intake sees it at once
 
