@@ -554,6 +554,10 @@ def test_a_bad_tls_policy_names_the_key() -> None:
         '[receiver]\nlisten = "127.0.0.1:2525"\n'
         '[api]\nenabled = false\nlisten = "127.0.0.1:2525"\n',
         '[receiver]\nlisten = "127.0.0.1:0"\n[api]\nlisten = "127.0.0.1:0"\n',
+        # A wildcard takes its own family's addresses only (IPv6 sockets are V6ONLY).
+        '[receiver]\nlisten = "[::]:8025"\n[api]\nlisten = "127.0.0.1:8025"\n',
+        '[receiver]\nlisten = "0.0.0.0:8025"\n[api]\nlisten = "[::1]:8025"\n',
+        '[receiver]\nlisten = "Localhost.:2525"\n',
         f'[server]\nipc_socket = "/run/{"s" * 102}"\n',  # 107 bytes: the most sun_path holds
     ],
 )

@@ -45,8 +45,9 @@ def split_listen(value: str) -> tuple[str, int]:
 
 def _bound_hosts(host: str) -> frozenset[str]:
     """The addresses ``host`` binds, each in its normal form (``::0`` is ``::``)."""
-    if host in _NAMED_HOSTS:
-        return _NAMED_HOSTS[host]
+    named = _NAMED_HOSTS.get(host.lower().rstrip("."))  # "Localhost", "localhost." alike
+    if named is not None:
+        return named
     return frozenset({str(ipaddress.ip_address(host))})
 
 
@@ -67,12 +68,27 @@ def _check_listen(value: str) -> str:
 
 def same_listener(one: tuple[str, int], other: tuple[str, int]) -> bool:
     """Whether two listen addresses would bind the same port (port 0 is always a new one;
-    a wildcard host takes the port on every address)."""
+    a wildcard host takes the port on every address of its own family only: zoneq binds
+    IPv6 sockets with IPV6_V6ONLY, as asyncio's create_server does, so ``[::]`` and
+    ``0.0.0.0`` can share a port)."""
     if one[1] != other[1] or one[1] == 0:
         return False
     hosts, others = _bound_hosts(one[0]), _bound_hosts(other[0])
-    wildcard = {"0.0.0.0", "::"}
-    return bool(hosts & others or hosts & wildcard or others & wildcard)
+    if hosts & others:
+        return True
+    return any(
+        _version(wild) == _version(host)
+        for wilds, rest in ((hosts, others), (others, hosts))
+        for wild in wilds & _WILDCARDS
+        for host in rest
+    )
+
+
+_WILDCARDS: Final = frozenset({"0.0.0.0", "::"})
+
+
+def _version(host: str) -> int:
+    return ipaddress.ip_address(host).version
 
 
 ListenAddress = Annotated[str, AfterValidator(_check_listen)]
