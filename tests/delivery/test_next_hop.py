@@ -1,5 +1,6 @@
 """The next hop: our own addresses as a loop, address literals, the bound on addresses one
-attempt walks, and the A-label envelope for a server without SMTPUTF8.
+attempt walks (a source that cannot be bound uses none of it), and the A-label envelope for
+a server without SMTPUTF8.
 
 Integration tests run the real resolver against dnsmasq and the real attempt against
 smtp-sink or a fault server, all on 127.0.0.0/8; the pure parts are table-driven, with
@@ -9,6 +10,7 @@ Hypothesis properties for the envelope form of an address.
 from __future__ import annotations
 
 import contextlib
+import errno
 import random
 import socket
 import time
@@ -16,6 +18,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import psutil
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -27,11 +30,14 @@ from tests.support.dnsmasq import Dnsmasq, running_dnsmasq
 from tests.support.faultserver import Faults, FaultServer
 from tests.support.smtpsink import run_smtp_sink
 from zoneq.config import Config
+from zoneq.config.zones import PoolAddress
 from zoneq.delivery.attempt import Settings, attempt, envelope_address
 from zoneq.delivery.hostcache import DeadHostCache
 from zoneq.delivery.mx import MxKind, MxResolver, address_literal
 from zoneq.delivery.ourselves import ourselves
-from zoneq.delivery.transport import Timeouts
+from zoneq.delivery.pool import SourcePool
+from zoneq.delivery.results import TransactionResult
+from zoneq.delivery.transport import Timeouts, deliver
 from zoneq.delivery.worker import resolver_for
 from zoneq.ipc.messages import Job, JobRecipient, Outcome, RecipientReport
 from zoneq.protocol.domains import a_label
@@ -42,6 +48,7 @@ HELO = "client.zoneq.test"
 FAST = Timeouts(greeting=5, ehlo=5, starttls=5, mail=5, rcpt=5, data_init=5, data_end=5)
 BODY = b"Subject: next hop\r\n\r\nhello\r\n"
 MANY = [f"127.0.42.{n}" for n in range(1, 21)]  # the 20 A records of many.test's one MX
+BIND = [f"127.0.44.{n}" for n in range(1, 6)]  # bind.test's MX: these 5 A records, and ::1
 RECORDS = [
     "local-ttl=300",
     "mx-host=own.test,mx.own.test,10",
@@ -51,6 +58,13 @@ RECORDS = [
     "mx-host=many.test,mx.many.test,10",
     *(f"host-record=mx.many.test,{address}" for address in MANY),
     "host-record=xn--bcher-kva.test,127.0.43.1",
+    "mx-host=bind.test,mx.bind.test,10",
+    *(f"host-record=mx.bind.test,{address}" for address in BIND),
+    "host-record=mx.bind.test,::1",
+    "mx-host=zero.test,mx.zero.test,10",
+    "host-record=mx.zero.test,0.0.0.0",
+    "mx-host=zero6.test,mx.zero6.test,10",
+    "host-record=mx.zero6.test,::",
 ]
 
 
@@ -201,6 +215,51 @@ def test_ourselves_from_listeners(
     assert us.allow_loopback is loopback_allowed
 
 
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        PermissionError(errno.EPERM, "Operation not permitted"),  # getifaddrs, locked down
+        psutil.AccessDenied(msg="Operation not permitted"),
+    ],
+)
+@pytest.mark.parametrize(
+    ("receiver", "addresses"),
+    [
+        (
+            {"listen": "0.0.0.0:2525", "tls_listen": "198.51.100.9:465"},
+            {"198.51.100.9", "192.0.2.8"},
+        ),
+        ({"listen": "[::]:2525", "tls_listen": "0.0.0.0:465"}, {"192.0.2.8"}),  # one warning
+    ],
+)
+def test_ourselves_without_an_interface_list_keeps_listeners_and_pools(
+    caplog: pytest.LogCaptureFixture,
+    refusal: Exception,
+    tls_files: TlsFiles,
+    receiver: dict[str, str],
+    addresses: set[str],
+) -> None:
+    # A worker that raised here died at start, on every restart: its zone delivered nothing.
+    receiver = receiver | {"tls_cert": str(tls_files.cert), "tls_key": str(tls_files.key)}
+    cfg = Config.model_validate(
+        {
+            "receiver": receiver,
+            "zones": {"default": {"pool": [{"address": "192.0.2.8"}]}, "bounces": {}},
+            "delivery": {"mx_port": 2500},
+        }
+    )
+
+    def refused() -> Mapping[str, Sequence[_Addr]]:
+        raise refusal
+
+    with caplog.at_level("WARNING", logger="zoneq.delivery"):
+        us = ourselves(cfg, refused)
+    assert us.addresses == addresses
+    assert us.allow_loopback is False
+    [warning] = [r for r in caplog.records if "interface addresses" in r.getMessage()]
+    assert "Operation not permitted" in warning.getMessage()
+
+
 # --- 2: address literals ------------------------------------------------------------------
 
 
@@ -226,6 +285,50 @@ def test_address_literal(literal: str, expected: str) -> None:
         assert expected in parsed
     else:
         assert str(parsed) == expected
+
+
+@pytest.mark.parametrize("allow_loopback", [False, True])
+@pytest.mark.parametrize(
+    ("literal", "kind"),
+    [
+        # The unspecified address reaches this host's listeners (a connect() to 0.0.0.0
+        # is taken by a 127.0.0.1 listener on Linux): ours, even with loopback allowed.
+        ("[0.0.0.0]", MxKind.LOOP),
+        ("[IPv6:::]", MxKind.LOOP),
+        ("[IPv6:::ffff:0.0.0.0]", MxKind.LOOP),
+        ("[IPv6:0:0:0:0:0:0:0:0]", MxKind.LOOP),
+        # Our own address, also as IPv4-mapped.
+        ("[127.0.0.1]", MxKind.LOOP),
+        ("[IPv6:::ffff:127.0.0.1]", MxKind.LOOP),
+        ("[192.0.2.8]", MxKind.LOOP),
+        ("[IPv6:::ffff:192.0.2.8]", MxKind.LOOP),
+        # Someone else.
+        ("[192.0.2.9]", MxKind.HOSTS),
+        ("[IPv6:2001:db8::9]", MxKind.HOSTS),
+        ("[IPv6:::ffff:192.0.2.9]", MxKind.HOSTS),
+    ],
+)
+def test_which_literals_are_ourselves(literal: str, kind: MxKind, allow_loopback: bool) -> None:
+    res = MxResolver(
+        nameservers=["127.0.0.1"],  # never asked: a literal needs no DNS
+        clock=time.monotonic,
+        rng=random.Random(0),
+        own_addresses={"127.0.0.1", "::ffff:192.0.2.8"},
+        allow_loopback=allow_loopback,
+    )
+    result = res.literal(literal)
+    assert result.kind is kind, result.reason
+    if kind is MxKind.LOOP:
+        assert str(result.status) == "5.4.6"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("domain", ["zero.test", "zero6.test"])
+@async_test
+async def test_an_mx_host_at_the_unspecified_address_is_a_loop(dns: Dnsmasq, domain: str) -> None:
+    result = await resolver(dns).resolve(domain)  # loopback allowed, as in the test bed
+    assert result.kind is MxKind.LOOP, result.reason
+    assert "loops back to myself" in result.reason
 
 
 @pytest.mark.integration
@@ -309,6 +412,42 @@ async def test_one_mx_with_20_addresses_is_tried_at_most_the_bound(
         )
         assert report.outcome is Outcome.DEFERRED
         assert sum(len(server.sessions) for server in servers) == bound
+
+
+@pytest.mark.integration
+@async_test
+async def test_a_source_that_cannot_be_bound_uses_none_of_the_bound(dns: Dnsmasq) -> None:
+    """The zone's IPv4 source left the host (EADDRNOTAVAIL): its first bind failure ends
+    IPv4 for the walk and counts for nothing, so the IPv6 address behind bind.test's 5 A
+    records is still tried, though the bound is 5.  Every attempt used to spend the bound on
+    5 failed binds, and the mail expired."""
+    pool = SourcePool([PoolAddress(address="192.0.2.99"), PoolAddress(address="::1")], HELO)
+    tried: list[tuple[str, str | None]] = []
+
+    async def send(**kwargs: Any) -> TransactionResult:
+        tried.append((kwargs["host"], kwargs["source_address"]))
+        return await deliver(**kwargs)
+
+    dead = DeadHostCache(clock=time.monotonic, base=60)
+    with run_smtp_sink(host="::1") as sink:
+        settings = Settings(
+            helo_name=HELO, port=sink.port, timeouts=FAST, sources=pool, max_addresses=5
+        )
+        [report] = await attempt(
+            job("bind.test", "a@bind.test"),
+            settings=settings,
+            resolver=resolver(dns),
+            dead_hosts=dead,
+            body=lambda: [BODY],
+            send=send,
+        )
+        assert report.outcome is Outcome.DELIVERED, report.reply
+        assert report.source_ip == "::1"
+        assert len(sink.messages(1)) == 1
+    [(first, source), last] = tried
+    assert first in BIND and source == "192.0.2.99"
+    assert last == ("::1", "::1")
+    assert not any(dead.is_dead(address) for address in BIND)  # our fault, not theirs
 
 
 def test_max_mx_addresses_defaults_to_5_and_must_be_positive() -> None:

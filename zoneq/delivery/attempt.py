@@ -13,7 +13,9 @@ on to the next address.  Whatever is still unsettled after the last address is d
 with the last reason seen.  A connection that could not be made marks its address dead for
 a while, so the other delivery loops skip it too; one that worked marks it alive.  A
 connection that failed because our own source address could not be bound (it left the
-host) is our fault, not the host's: the host is not marked dead (``pool.bind_failure``).
+host) is our fault, not the host's: the host is not marked dead (``pool.bind_failure``),
+the try does not count toward ``max_addresses`` (no address was reached), and the walk
+skips the other addresses of that family, which would fail to bind alike.
 
 One attempt connects to at most ``max_addresses`` addresses (``[delivery]
 max_mx_addresses``, Postfix's ``smtp_mx_address_limit``, 5); the rest wait for the next
@@ -237,6 +239,7 @@ class _Walk:
         self.settled: dict[int, RecipientReport] = {}
         self.last: dict[int, tuple[RecipientResult, str]] = {}
         self.tried = 0  # addresses connected to in this walk
+        self.unbindable: set[int | None] = set()  # families whose source cannot be bound
         ret = (job.ret or "").upper()
         self.options = MailOptions(
             ret=Ret(ret) if ret in ("FULL", "HDRS") else None,
@@ -249,14 +252,18 @@ class _Walk:
     async def run(self, mx: MxResult) -> None:
         # Postfix's smtp_mx_address_limit: a bound on addresses tried, not on hosts, since
         # one host may have a hundred addresses and each may take 300 s to time out
-        # (RFC 5321 section 4.5.3.2).  Resting addresses cost nothing and do not count.
+        # (RFC 5321 section 4.5.3.2).  Resting addresses cost nothing and do not count;
+        # nor does a try whose source address could not be bound: it reached no address,
+        # and the family's other addresses are skipped (they would fail alike), so an
+        # IPv4 source that left the host does not keep every attempt from the IPv6 ones.
         for host in mx.hosts:
             for address in host.addresses:
                 if not self.pending or self.tried >= self.settings.max_addresses:
                     return
-                if not self.dead_hosts.is_dead(address):
+                if self.dead_hosts.is_dead(address) or family_of(address) in self.unbindable:
+                    continue
+                if await self._try(host.name, address):
                     self.tried += 1
-                    await self._try(host.name, address)
 
     def _source(self, address: str) -> Source:
         family = family_of(address) if self.settings.families is not None else None
@@ -265,10 +272,12 @@ class _Walk:
             source = self._sources[family] = self.settings.source_for(self.job.rested, family)
         return source
 
-    async def _try(self, host_name: str, address: str) -> None:
+    async def _try(self, host_name: str, address: str) -> bool:
+        """One address; False when our source address could not be bound (no connection
+        was tried, so it does not count toward ``max_addresses``)."""
         source = self._source(address)
         if self.plugins is not None and not await self._may_connect(host_name, address, source):
-            return
+            return True  # every recipient is settled: the walk ends either way
         relay = self.settings.relay
         result = await self.send(
             host=address,
@@ -286,10 +295,13 @@ class _Walk:
             slot=self.job.slot,
             **(_relay_options(relay) if relay is not None else {}),
         )
+        bound = True
         if result.peer is None:
             local_fault = source.address is not None and bind_failure(source.address)
             if local_fault:
                 log.error("source address %s cannot be bound: %s", source.address, local_fault)
+                self.unbindable.add(family_of(address))
+                bound = False
             else:
                 self.dead_hosts.mark_dead(address)
         else:
@@ -308,6 +320,7 @@ class _Walk:
                     report = dataclasses.replace(report, relayed=True)
                 self.settled[index] = report
         self.pending = still
+        return bound
 
     def _ruled(self, outcome: RecipientResult) -> bool:
         """Does a reply rule claim this reply (a provider's "slow down" or "blocked" under

@@ -22,9 +22,12 @@ Theory of operation
 3. Loop detection, RFC 5321 section 5.1: "The relay host MUST then inspect the list for any
    of the names or addresses by which it might be known in mail transactions.  If a matching
    record is found, all records at that preference level and higher-numbered ones MUST be
-   discarded".  Our names and addresses are given to the resolver; loopback and unspecified
-   addresses count as ours too (connecting to them reaches this machine, or nothing) unless
-   ``allow_loopback`` is set, as the tests do.  Link-local and multicast addresses are not
+   discarded".  Our names and addresses are given to the resolver; loopback addresses
+   count as ours too (connecting to them reaches this machine) unless ``allow_loopback``
+   is set, as the tests do.  The unspecified address (``0.0.0.0``, ``::``, also mapped as
+   ``::ffff:0.0.0.0``) is ours always: a connection to it reaches this host's listeners,
+   loopback ones included, so it is never a remote server.  IPv4-mapped addresses are
+   judged as the IPv4 address they reach.  Link-local and multicast addresses are not
    SMTP destinations and are dropped as unusable.
 
 4. What is left is ordered by preference, equal preferences in random order (RFC 5321
@@ -306,11 +309,13 @@ def _is_unusable(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     return ip.is_link_local or ip.is_multicast
 
 
-def _is_local(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """Addresses that reach this machine (or nothing): loopback, unspecified."""
+def _unmapped(
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
+) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An IPv4-mapped IPv6 address (``::ffff:127.0.0.1``) as the IPv4 address it reaches."""
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback or ip.is_unspecified
+        return ip.ipv4_mapped
+    return ip
 
 
 class MxResolver:
@@ -355,7 +360,7 @@ class MxResolver:
         self._rng = rng
         self.cache = AnswerCache(clock, cache_size)
         self._asking: dict[tuple[str, str], asyncio.Future[DnsAnswer]] = {}
-        self._own_addresses = frozenset(ipaddress.ip_address(a) for a in own_addresses)
+        self._own_addresses = frozenset(_unmapped(ipaddress.ip_address(a)) for a in own_addresses)
         self._own_names = frozenset(n.rstrip(".").lower() for n in own_names)
         self._allow_loopback = allow_loopback
         self._max_hosts = max_hosts
@@ -519,10 +524,14 @@ class MxResolver:
         return any(self._is_own(ipaddress.ip_address(text)) for text in addresses)
 
     def _is_own(self, ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-        """One of our addresses, or one that reaches this machine (unless allowed)."""
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped in self._own_addresses:
+        """One of our addresses, the unspecified address, or loopback (unless allowed)."""
+        ip = _unmapped(ip)
+        if ip.is_unspecified:
+            # Never a remote server, whatever ``allow_loopback`` says: on Linux a connect()
+            # to 0.0.0.0 or :: goes to this host (it reaches a 127.0.0.1 listener), so mail
+            # would come back into our own receiver.
             return True
-        return ip in self._own_addresses or (not self._allow_loopback and _is_local(ip))
+        return ip in self._own_addresses or (not self._allow_loopback and ip.is_loopback)
 
     @staticmethod
     def _temporary(domain: str, reason: str) -> MxResult:

@@ -16,12 +16,16 @@ address, is not (the test sink on 127.0.0.1 at its own port is someone else); a 
 listener at ``mx_port`` makes all of loopback ours again.
 
 The interface list comes from psutil (``net_if_addrs``): the standard library has no call
-that lists a machine's addresses.
+that lists a machine's addresses.  Where the list cannot be had (getifaddrs refused, EPERM
+in a locked-down container), one warning is logged and the listener and pool addresses
+stand alone: a worker that died at start on it would deliver nothing at all, while the
+unspecified address and (unless allowed) loopback stay a loop anyway (``mx.py``).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +36,8 @@ import psutil
 from zoneq.config import Config
 
 __all__ = ["Ourselves", "interface_addresses", "ourselves"]
+
+log = logging.getLogger("zoneq.delivery")
 
 
 class _IfAddr(Protocol):
@@ -76,20 +82,35 @@ def ourselves(config: Config, interfaces: Interfaces = psutil.net_if_addrs) -> O
     # A listener named by a host name has nothing to compare an MX address with.
     bound = [(ip, port) for host, port in listeners if (ip := _ip(host)) is not None]
     found: set[str] = set()
+    wildcard: set[int] = set()  # the families a wildcard listener takes
     for ip, port in bound:
         if ip.is_unspecified:
             # "::" takes IPv4 too on a dual-stack machine (the Linux default).
-            families = [socket.AF_INET] if ip.version == 4 else [socket.AF_INET, socket.AF_INET6]
-            found |= interface_addresses(families, interfaces)
+            wildcard |= {socket.AF_INET} if ip.version == 4 else {socket.AF_INET, socket.AF_INET6}
             allow_loopback = allow_loopback and port != delivery_port
         else:
             found.add(str(ip))
+    if wildcard:  # asked once, so a failure is one warning
+        found |= _listed(wildcard, interfaces)
     for zone in config.zones.values():
         found.update(entry.address for entry in zone.pool)
     if allow_loopback:
         at_port = {str(ip) for ip, port in bound if port == delivery_port}
         found = {a for a in found if a in at_port or not ipaddress.ip_address(a).is_loopback}
     return Ourselves(frozenset(found), allow_loopback)
+
+
+def _listed(families: Iterable[int], interfaces: Interfaces) -> set[str]:
+    """``interface_addresses``, or none (with a warning) when the system will not say."""
+    try:
+        return interface_addresses(families, interfaces)
+    except (OSError, psutil.Error) as exc:
+        log.warning(
+            "cannot list this host's interface addresses for the MX loop check (%s); "
+            "using the listener and pool addresses only",
+            exc,
+        )
+        return set()
 
 
 def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

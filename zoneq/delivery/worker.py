@@ -305,11 +305,13 @@ async def run(config: Config, zone: str, name: str) -> int:
         log.error("worker %s of zone %s: %s", name, zone, exc)
         await plugins.close()
         return 1
-    worker = Worker(config, zone, client, plugins)
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, worker.stopping.set)
     try:
+        # Inside the try: a worker that cannot be built still closes its IPC connection
+        # and its plugins (the supervisor restarts it).
+        worker = Worker(config, zone, client, plugins)
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, worker.stopping.set)
         await worker.run()
     except TemporaryFailure as exc:
         log.error("worker %s of zone %s: %s", name, zone, exc)
