@@ -9,16 +9,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import dkim
 import pytest
 
-from tests.delivery.inproc import config_for, dns_for, running
+from tests.delivery.inproc import InProc, config_for, dns_for, running
 from tests.plugin.test_bundled import rsa_key
+from tests.queue.test_service import dsn_of
 from tests.support.plugins import BUNDLED, write_plugin
-from tests.support.smtpsink import run_smtp_sink
+from tests.support.smtpsink import SinkMessage, run_smtp_sink
 from zoneq.plugin import PluginHost
 from zoneq.storage.records import State
 
@@ -41,6 +43,8 @@ VETO = """
         def connect(args):
             if args.domain == "veto.test":
                 return Reply(451, ("not now",), EnhancedStatus(4, 7, 0))
+            if args.domain == "refuse.test":
+                return Reply(550, ("not to this one",), EnhancedStatus(5, 7, 1))
             return None
         app.add_hook(Hook.SENDER_CONNECT, connect)
 """
@@ -67,6 +71,23 @@ RECORDER = """
 
 def plugin_table(module: Path, **options: Any) -> dict[str, Any]:
     return {"module": str(module), "options": options}
+
+
+def with_send_plugin(
+    tmp_path: Path, source: str, domains: list[str], main: Callable[[InProc], Awaitable[None]]
+) -> list[SinkMessage]:
+    """Run ``main`` against the in-process core and a worker with the plugin ``source``
+    loaded, the ``domains`` pointed at a sink; what the sink got, waited for briefly."""
+    module = write_plugin(tmp_path, "plugin", source)
+    with run_smtp_sink() as sink, dns_for(tmp_path, domains, sink.host) as dns:
+        config = config_for(tmp_path, dns, sink.port, plugins={"plugin": plugin_table(module)})
+
+        async def run() -> None:
+            async with running(config, worker_plugins=PluginHost.from_config(config)) as core:
+                await main(core)
+
+        asyncio.run(run())
+        return sink.messages(1, timeout=0.5)
 
 
 def test_dkim_signed_at_send_time_verifies_at_the_sink_without_the_zone_header(
@@ -169,3 +190,23 @@ def test_sender_connect_may_defer_a_destination_before_connecting(tmp_path: Path
         asyncio.run(main())
         received = sink.messages(1)
     assert len(received) == 1  # only ok.test's transaction reached the sink
+
+
+def test_a_sender_connect_refusal_bounces_as_our_own_diagnostic(tmp_path: Path) -> None:
+    """RFC 3464 sections 2.3.5 and 2.3.6: the plugin refused before any connection, so the
+    bounce names no Remote-MTA and its Diagnostic-Code is zoneq's, not an SMTP reply; the
+    event still names the MX host the refusal was about."""
+
+    async def main(core: InProc) -> None:
+        await core.queue(["a@refuse.test"])
+        await core.until(lambda: bool(core.events("bounced")))
+        (bounced,) = core.events("bounced")
+        assert bounced.mx == "mx0.refuse.test"
+        await core.until(lambda: core.store.count("bounces", State.READY) == 1)
+        status = dsn_of(core.store).get_payload()[1].get_payload()  # type: ignore[index,union-attr]
+        (block,) = [block for block in status[1:] if block["Final-Recipient"]]
+        assert (block["Action"], block["Status"]) == ("failed", "5.7.1")
+        assert block["Remote-MTA"] is None
+        assert block["Diagnostic-Code"] == "X-zoneq; 550 5.7.1 not to this one"
+
+    assert with_send_plugin(tmp_path, VETO, ["refuse.test"], main) == []  # nothing went out

@@ -88,6 +88,7 @@ reports = st.builds(
     source_ip=opt_text,
     possible_duplicate=st.booleans(),
     relayed=st.booleans(),
+    local_reply=st.booleans(),
 )
 requests: st.SearchStrategy[Request] = st.one_of(
     st.builds(Hello, zone=text, worker=text, pid=i64),
@@ -511,29 +512,36 @@ REPORTED = {
 }
 
 
+# The optional flags of a report: ``relayed`` (RFC 3461 section 5.2.2) and ``local_reply``
+# (a plugin's own reply, RFC 3464 section 2.3.5).
+FLAGS = pytest.mark.parametrize("flag", ["relayed", "local_reply"])
+
+
+@FLAGS
 @pytest.mark.parametrize(
-    ("wire", "relayed"),
+    ("value", "expected"),
     [
-        (REPORTED, False),  # a worker of the previous release: no notice owed
-        ({**REPORTED, "relayed": None}, False),
-        ({**REPORTED, "relayed": False}, False),
-        ({**REPORTED, "relayed": True}, True),
+        (..., False),  # a worker of the previous release sends no flag
+        (None, False),
+        (False, False),
+        (True, True),
     ],
 )
-def test_a_report_says_relayed_only_when_a_notice_is_owed(
-    wire: dict[str, object], relayed: bool
-) -> None:
-    assert RecipientReport.from_wire(wire, "r").relayed is relayed
+def test_a_report_flag_is_set_only_when_sent_true(flag: str, value: object, expected: bool) -> None:
+    wire = REPORTED if value is ... else {**REPORTED, flag: value}
+    assert getattr(RecipientReport.from_wire(wire, "r"), flag) is expected
 
 
-def test_relayed_stays_off_the_wire_unless_true() -> None:
-    """The flag of RFC 3461 section 5.2.2 costs a bulk sender's reports nothing."""
+@FLAGS
+def test_a_report_flag_stays_off_the_wire_unless_true(flag: str) -> None:
+    """The flags cost a bulk sender's reports nothing."""
     plain = RecipientReport(token=7, outcome=Outcome.DELIVERED, reply="250 Ok", code=250)
-    assert "relayed" not in plain.to_wire()
-    flagged = RecipientReport(token=7, outcome=Outcome.DELIVERED, relayed=True)
-    assert flagged.to_wire()["relayed"] is True
+    assert flag not in plain.to_wire()
+    flagged = RecipientReport.from_wire({**REPORTED, flag: True}, "r")
+    assert flagged.to_wire()[flag] is True
 
 
-def test_a_relayed_flag_that_is_not_a_bool_names_the_field() -> None:
-    with pytest.raises(ProtocolError, match=re.escape("r.relayed: expected bool")):
-        RecipientReport.from_wire({**REPORTED, "relayed": 1}, "r")
+@FLAGS
+def test_a_report_flag_that_is_not_a_bool_names_the_field(flag: str) -> None:
+    with pytest.raises(ProtocolError, match=re.escape(f"r.{flag}: expected bool")):
+        RecipientReport.from_wire({**REPORTED, flag: 1}, "r")

@@ -275,6 +275,43 @@ async def test_a_deferral_with_a_permanent_code_gets_a_transient_delay_status(
     await assert_consistent(store)
 
 
+@pytest.mark.parametrize(
+    ("local_reply", "remote_mta", "diagnostic"),
+    [
+        (False, "dns; mx.dest.test", "smtp; 451 4.7.0 not now"),  # the MX host said it
+        (True, None, "X-zoneq; 451 4.7.0 not now"),  # a sender:connect plugin said it
+    ],
+)
+@async_test
+async def test_a_delay_notice_names_a_remote_mta_only_for_its_reply(
+    store: QueueStore, local_reply: bool, remote_mta: str | None, diagnostic: str
+) -> None:
+    """RFC 3464 sections 2.3.5 and 2.3.6: Remote-MTA is the MTA that reported the status,
+    and the type smtp is for its reply; a plugin's refusal made before any connection has
+    neither, though the report still names the host it was about."""
+    clock = Clock()
+    service = service_for(store, clock)
+    await queue_message(store, [NewRecipient("a@dest.test", Z, notify=("DELAY",))])
+    clock.now = T0 + 5 * 60 * MINUTE  # past the 4h delay warning
+    (job,) = await service.lease(Z, "w1")
+    reported = outcome(
+        job,
+        Result.DEFERRED,
+        reply="451 4.7.0 not now",
+        code=451,
+        enhanced="4.7.0",
+        mx="mx.dest.test",
+        local_reply=local_reply,
+    )
+    accepted, _ = await service.report("w1", reported)
+    assert len(accepted) == 1
+    status = dsn_of(store).get_payload()[1].get_payload()  # type: ignore[index,union-attr]
+    (block,) = [block for block in status[1:] if block["Final-Recipient"]]
+    assert (block["Action"], block["Remote-MTA"]) == ("delayed", remote_mta)
+    assert block["Diagnostic-Code"] == diagnostic
+    await assert_consistent(store)
+
+
 _SUCCESS = ("SUCCESS", "FAILURE")
 
 

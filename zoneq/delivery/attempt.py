@@ -564,7 +564,11 @@ def _damaged(token: int, exc: BaseException) -> RecipientReport:
 
 
 def _refused(token: int, reply: Reply, mx: str | None, source_ip: str | None) -> RecipientReport:
-    """A recipient settled by a plugin's reply: 4xx defers, 5xx bounces."""
+    """A recipient settled by a plugin's reply: 4xx defers, 5xx bounces.
+
+    ``mx`` is the host the plugin was asked about (for events and per-MX limits); no
+    connection was made, so the report says the reply is ours (``local_reply``) and a
+    notice names no Remote-MTA for it (RFC 3464 sections 2.3.5 and 2.3.6)."""
     return RecipientReport(
         token,
         Outcome.BOUNCED if reply.is_permanent else Outcome.DEFERRED,
@@ -573,6 +577,7 @@ def _refused(token: int, reply: Reply, mx: str | None, source_ip: str | None) ->
         enhanced=str(reply.enhanced) if reply.enhanced is not None else None,
         mx=mx,
         source_ip=source_ip,
+        local_reply=True,
     )
 
 

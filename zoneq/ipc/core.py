@@ -90,6 +90,7 @@ class QueueHandler:
                 source_ip=item.source_ip,
                 possible_duplicate=item.possible_duplicate,
                 relayed=item.relayed,
+                local_reply=item.local_reply,
             )
             for item in msg.results
         ]

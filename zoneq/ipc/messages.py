@@ -369,6 +369,11 @@ class RecipientReport:
     # Optional on the wire, sent only when true: absent is false (an older worker), and an
     # older core ignores it (no notice, as before).
     relayed: bool = False
+    # The reply is our own (a ``sender:connect`` plugin's refusal or failure), made with no
+    # connection: ``mx`` names the host it was about (events, per-MX limits), not one that
+    # replied, so a notice names no Remote-MTA (RFC 3464 sections 2.3.5, 2.3.6).  On the
+    # wire as ``relayed`` is: only when true.
+    local_reply: bool = False
 
     def to_wire(self) -> dict[str, object]:
         body: dict[str, object] = {
@@ -383,6 +388,8 @@ class RecipientReport:
         }
         if self.relayed:
             body["relayed"] = True
+        if self.local_reply:
+            body["local_reply"] = True
         return body
 
     @classmethod
@@ -402,6 +409,7 @@ class RecipientReport:
             source_ip=_opt_str(body, "source_ip", where),
             possible_duplicate=_bool(body, "possible_duplicate", where),
             relayed=_opt_flag(body, "relayed", where),
+            local_reply=_opt_flag(body, "local_reply", where),
         )
 
 

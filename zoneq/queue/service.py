@@ -139,6 +139,16 @@ class RecipientOutcome:
     # notice is owed (RFC 3461 section 5.2.2; ``_relay``).  The worker decides it, so the
     # delivery of every other recipient costs one attribute test here.
     relayed: bool = False
+    # The reply is zoneq's own (a ``sender:connect`` plugin's), made without a connection:
+    # ``mx`` is the host it was about, not one that replied (``remote_mta``).
+    local_reply: bool = False
+
+    @property
+    def remote_mta(self) -> str | None:
+        """The host whose reply this is, for a notice's Remote-MTA: none for our own reply
+        (RFC 3464 section 2.3.5: the MTA that reported the status; also why the
+        Diagnostic-Code is then not of type smtp, section 2.3.6)."""
+        return None if self.local_reply else self.mx
 
 
 @dataclass(frozen=True, slots=True)
@@ -594,13 +604,16 @@ class QueueService:
                     # its kin are persistent transient failures (RFC 3463 section 3.5).
                     status = item.enhanced or EXPIRED_STATUS
                     failure = Failure(
-                        lease.recipient, status, item.reply or "delivery time expired", item.mx
+                        lease.recipient,
+                        status,
+                        item.reply or "delivery time expired",
+                        item.remote_mta,
                     )
                     failed = failures.setdefault(lease.recipient.msg_id, [])
                     failed.append((item.token, lease, failure, outcome, True))
             else:
                 status = item.enhanced or "5.0.0"  # RFC 3463: permanent, no detail given
-                failure = Failure(lease.recipient, status, item.reply or None, item.mx)
+                failure = Failure(lease.recipient, status, item.reply or None, item.remote_mta)
                 failed = failures.setdefault(lease.recipient.msg_id, [])
                 failed.append((item.token, lease, failure, outcome, False))
         for msg_id, group in failures.items():
@@ -708,7 +721,7 @@ class QueueService:
             record,
             status=delayed_status(item.enhanced),
             diagnostic=item.reply or None,
-            remote_mta=item.mx,
+            remote_mta=item.remote_mta,
             action=Action.DELAYED,
             will_retry_until_ms=self._zone(record.zone).schedule.expires_at(queued_at),
         )
