@@ -29,6 +29,7 @@ from zoneq.storage.store import QueueStore
 pytestmark = pytest.mark.integration
 
 ENCODED_WORD = re.compile(rb"=\?[^?\s]+\?[qQbB]\?[^?\s]*\?=")
+WHITE_LINE = re.compile(rb"\r\n[ \t]+\r\n")  # a line of only white space (obs-FWS)
 MSG_ID = "<" + "a" * 90 + "@example.org>"
 UNSUBSCRIBE = "<https://example.org/u?t=" + "t" * 120 + ">, <mailto:u@example.org?subject=u>"
 
@@ -155,8 +156,9 @@ WORDS = st.one_of(
     st.integers(1, 1100).map(lambda n: "w" * n),
     st.sampled_from(["a", "Zoë", "é" * 40, "https://x.test/p?q=1", "-", "."]),
     st.integers(1, 400).map(lambda n: "ü" * n),
+    st.integers(60, 80).map(lambda n: "v" * n),  # near the fold, where a run of spaces breaks
 )
-TEXT = st.lists(st.tuples(WORDS, st.sampled_from(["", " ", "  "])), max_size=6).map(
+TEXT = st.lists(st.tuples(WORDS, st.sampled_from(["", " ", "  ", " \t", "   "])), max_size=6).map(
     lambda parts: "".join(word + gap for word, gap in parts)
 )
 
@@ -168,7 +170,8 @@ TEXT = st.lists(st.tuples(WORDS, st.sampled_from(["", " ", "  "])), max_size=6).
     )
 )
 def test_no_stored_line_is_over_998_octets(fields: dict[str, str]) -> None:
-    """Property: refused, or every line of the message is at most 998 octets, every
+    """Property: refused, or every line of the message is at most 998 octets, no line is
+    only white space (RFC 5322 3.2.2, 4.2: obs-FWS, not to be generated), every
     encoded-word at most 75 characters, and an ASCII value of a field of the client's own
     is written without encoded-words."""
     submission = fielded(fields)
@@ -180,6 +183,7 @@ def test_no_stored_line_is_over_998_octets(fields: dict[str, str]) -> None:
         assert "longer than 998 octets (RFC 5322 section 2.1.1)" in str(exc), exc
         return
     assert max(map(len, data.split(b"\r\n"))) <= 998
+    assert WHITE_LINE.search(data) is None, WHITE_LINE.search(data)
     assert all(len(word) <= 75 for word in ENCODED_WORD.findall(data))
     free = re.search(rb"(?m)^X-Free:[^\r]*(?:\r\n[ \t][^\r]*)*", data)
     assert free is not None
@@ -242,3 +246,32 @@ def test_a_word_that_fills_a_line_exactly_leaves_no_empty_line() -> None:
     parsed = message_from_bytes(data, policy=policy.default)
     assert parsed["Reply-To"].addresses[0].display_name == name
     assert b"\r\n\r\n" not in data.split(b"\r\nMIME-Version:")[0]
+
+
+# (the JSON fields over BASE, the field): the review's cases, where the email package folded
+# a run of white space onto a line of its own; the last one keeps its encoded-words.
+WHITE: dict[str, tuple[dict[str, Any], str]] = {
+    "subject, two spaces at the fold": ({"subject": "x" * 66 + "  " + "y" * 75}, "Subject"),
+    "subject, Re: and two spaces": ({"subject": "Re:  " + "x" * 75 + "  tail"}, "Subject"),
+    "a field of the client's, two spaces": (
+        {"headers": {"X-Custom": "x" * 75 + "  y"}},
+        "X-Custom",
+    ),
+    "a field of the client's, space and tab": (
+        {"headers": {"X-Custom": "x" * 65 + " \t" + "y" * 75}},
+        "X-Custom",
+    ),
+    "non-ASCII, white space at the end": ({"subject": "a " + "ü" * 19 + " \t"}, "Subject"),
+}
+
+
+@pytest.mark.parametrize("case", list(WHITE))
+def test_no_header_line_is_only_white_space(case: str) -> None:
+    """RFC 5322 3.2.2 and 4.2: a line of only white space is obsolete syntax that must not
+    be generated; the field reads back with the same value (unfolding, 2.2.3)."""
+    extra, name = WHITE[case]
+    data, _ = build(Submission.model_validate({**BASE, **extra}), hostname="mx.test", now_ms=0)
+    assert WHITE_LINE.search(data) is None, data.split(b"\r\n\r\n", 1)[0]
+    parsed = message_from_bytes(data, policy=policy.default)
+    given = extra.get("subject") or extra["headers"][name]
+    assert str(parsed[name]).strip() == given.strip()  # the spaces between words kept

@@ -20,7 +20,11 @@ characters (its section 2).  But the email package also turns an ASCII word too 
 *text, phrases and comments: a List-Unsubscribe URL (RFC 2369, RFC 8058 one-click), an
 In-Reply-To or References msg-id would be broken.  A field that needs no encoded-word when written
 unfolded is written without any, folded at its spaces (a longer word on a line of its own);
-a line still over 998 octets (the MUST) is refused, naming the JSON field.
+a line still over 998 octets (the MUST) is refused, naming the JSON field.  Folded at its
+spaces too: an address field the package folds into other mailboxes (it drops a display
+name's quotes, CPython gh-80222: ``"Doe, John" <j@x>`` read as ``Doe`` and ``John <j@x>``;
+RFC 5322 3.2.4, 3.4), found by parsing it back, and a field with a line of only white space
+(obs-FWS, RFC 5322 4.2; with encoded-words, that white space joins the line before).
 
 Domains are written as A-labels (IDNA, UTS 46): RFC 2047 section 5 forbids an encoded-word
 in an addr-spec, which is how the email package writes a non-ASCII domain.  A non-ASCII
@@ -47,7 +51,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.errors import HeaderParseError, MessageError
 from email.header import decode_header
-from email.headerregistry import Address
+from email.headerregistry import Address, AddressHeader
 from email.message import EmailMessage
 from email.policy import EmailPolicy
 from email.utils import format_datetime, getaddresses, make_msgid
@@ -72,6 +76,10 @@ _ENCODED_WORD: Final = re.compile(r"=\?[^?]*\?[qQbB]\?.*?\?=", re.DOTALL)
 # LF followed by a space through; here any bare CR or LF is refused too (RFC 5322 2.2: CR
 # and LF only together), and a CRLF must be followed by a space or a tab (folding, 2.2.3).
 _UNFOLDED_BREAK: Final = re.compile(rb"\r(?!\n)|(?<!\r)\n|\r\n(?![ \t])")
+# RFC 5322 3.2.2 and 4.2: a folded line of only white space is obsolete syntax (obs-FWS),
+# which "MUST NOT" be generated; the email package writes one where a run of spaces meets
+# the fold (matched in a field with its CRLF, so its last line too).
+_WHITE_LINE: Final = re.compile(rb"\r\n([ \t]+)(?=\r\n)")
 # The email package fills a folded line with its encoded-words: at 78 they are 77 long.  RFC
 # 2047 section 2 allows 75, so headers are folded at 76 (the fold's space and 75).
 _ENCODED_WORD_FOLD: Final = 76
@@ -109,13 +117,18 @@ class _Checked(EmailPolicy):
         narrow = self.clone(max_line_length=_ENCODED_WORD_FOLD)
         folded = EmailPolicy.fold_binary(narrow, name, value)
         # The package can also leave an empty line where a word fills a line exactly (a
-        # display name's word of 76 octets at 76): folded at the spaces instead, too.
-        if _WRITTEN_WORD.search(folded) or _broken(folded):
+        # display name's word of 76 octets at 76), or a line of only white space, and on
+        # this Python it drops the quotes of a display name it folds (CPython gh-80222):
+        # folded at the spaces instead, too.
+        if _WRITTEN_WORD.search(folded) or _broken(folded) or self._misread(name, value, folded):
             # Written on one line (no limit: None), the field holds an encoded-word only
             # where its text needs one.
             wide = EmailPolicy.fold_binary(self.clone(max_line_length=None), name, value)
             if not _WRITTEN_WORD.search(wide):
                 folded = _fold_at_spaces(wide, self.max_line_length or MAX_LINE)
+        # Where encoded-words keep the package's fold, a line of only white space goes onto
+        # the end of the line before: unfolding (2.2.3) gives the same value.
+        folded = _WHITE_LINE.sub(rb"\1", folded)
         if _broken(folded):
             raise Unacceptable(f"header field {name!r}: would hold a line break (injection)")
         try:
@@ -128,10 +141,31 @@ class _Checked(EmailPolicy):
             ) from None
         return folded
 
+    def _misread(self, name: str, value: str, folded: bytes) -> bool:
+        """Whether the address field ``folded`` reads back as other mailboxes than
+        ``value`` holds.  A display name with specials (``,`` ``;`` ``(`` ``"`` ``.``...)
+        must stay a quoted-string (RFC 5322 3.2.4, 3.4): folded without its quotes, a
+        ``"Doe, John" <j@x>`` is read as the two mailboxes ``Doe`` and ``John <j@x>``."""
+        if not isinstance(value, AddressHeader):
+            return False
+        text = _UNFOLD.sub(b"", folded.removesuffix(b"\r\n")).partition(b":")[2]
+        try:
+            # UTF-8 only with UTF8_POLICY (RFC 6532); kept as surrogates where it is not.
+            read = self.header_factory(name, text.decode("utf-8", "surrogateescape").lstrip())
+        # The package's parser can fail inside its own code on what it wrote unquoted (a
+        # ``(`` left open): not read back as given either.
+        except (HeaderParseError, ValueError, IndexError, AttributeError):
+            return True
+        return not isinstance(read, AddressHeader) or read.groups != value.groups
+
 
 def _broken(field: bytes) -> bool:
-    """Whether a written field holds a line break that is no fold (it ends in CRLF)."""
-    return _UNFOLDED_BREAK.search(field.removesuffix(b"\r\n")) is not None
+    """Whether a written field (it ends in CRLF) holds a line break that is no fold, or a
+    line of only white space."""
+    return (
+        _UNFOLDED_BREAK.search(field.removesuffix(b"\r\n")) is not None
+        or _WHITE_LINE.search(field) is not None
+    )
 
 
 def _fold_at_spaces(field: bytes, width: int) -> bytes:
