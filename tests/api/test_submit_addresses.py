@@ -1,7 +1,8 @@
 """Envelope addresses of API submissions (JSON and raw) as queued in a real store: a U-label
 domain with an ASCII local part gets its A-label, so the message needs no SMTPUTF8 (RFC
-6531: only a non-ASCII local part does); recipients differing only in the case of the
-domain (RFC 5321 section 2.4) or in its U-label and A-label are queued once."""
+6531: only a non-ASCII local part does), unless the header section as stored is UTF-8 (RFC
+6532, a raw upload's); recipients differing only in the case of the domain (RFC 5321
+section 2.4) or in its U-label and A-label are queued once."""
 
 from __future__ import annotations
 
@@ -109,10 +110,40 @@ RAW_CASES: dict[str, tuple[list[tuple[str, str]], bytes, str, list[str], bool]] 
         ["carol@ok.test", f"bob@{BUECHER}"],
         False,
     ),
+    # The envelope has the A-labels, but the header section goes out as sent, in UTF-8
+    # (RFC 6532): only to a server that offers SMTPUTF8 (RFC 6531 section 3.2).
     "To and From fields at a U-label domain (RFC 6532 UTF-8 header)": (
         [],
         "From: a@bücher.test\r\nTo: Bob <bob@bücher.test>\r\n".encode(),
         f"a@{BUECHER}",
+        [f"bob@{BUECHER}"],
+        True,
+    ),
+    "?to= at a U-label domain, a UTF-8 Subject": (
+        [("from", "a@src.test"), ("to", "bob@bücher.test")],
+        "Subject: Grüße\r\n".encode(),
+        "a@src.test",
+        [f"bob@{BUECHER}"],
+        True,
+    ),
+    "a Latin-1 Subject: 8-bit, but no RFC 6532 text": (
+        [("from", "a@src.test"), ("to", "bob@ok.test")],
+        b"Subject: Gr\xfc\xdfe\r\n",
+        "a@src.test",
+        ["bob@ok.test"],
+        False,
+    ),
+    "a UTF-8 Bcc field, removed before it is stored": (
+        [],
+        "From: a@src.test\r\nTo: bob@ok.test\r\nBcc: carol@bücher.test\r\n".encode(),
+        "a@src.test",
+        ["bob@ok.test", f"carol@{BUECHER}"],
+        False,
+    ),
+    "a UTF-8 body, an ASCII header section (8BITMIME is enough)": (
+        [("from", "a@src.test"), ("to", "bob@bücher.test")],
+        b"Subject: x\r\n\r\nGr\xc3\xbc\xc3\x9fe",
+        "a@src.test",
         [f"bob@{BUECHER}"],
         False,
     ),

@@ -24,6 +24,7 @@ would disclose them (RFC 5322 section 3.6.3).  Addresses are checked as RFC 5321
 receiver refuses it at RCPT from every client.  An ASCII local part at a U-label domain is
 queued with the domain's A-label, so the message needs no SMTPUTF8 for it (RFC 6531), and a
 recipient given twice (the domain in another case) is queued once (``Envelope.checked``).
+A header section stored in UTF-8 (RFC 6532) does need SMTPUTF8, whatever the envelope.
 
 Routing is the receiver's (issue 5): the rules with the envelope sender and the client's
 address, and the routing header (``routing.zone_header``) honoured, since an API client
@@ -281,6 +282,7 @@ class _Header:
     fields: Message
     text: bytes  # fields added + the section (without Bcc, if asked) + what followed it
     browse: dict[str, str] = field(default_factory=dict)
+    utf8: bool = False  # the section as stored holds UTF-8 (RFC 6532): it needs SMTPUTF8
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,7 +330,21 @@ def _read_header(found: HeaderSection, *, strip_bcc: bool, now_ms: int, hostname
     for name in _BROWSED:
         if (value := _browse_value(fields, name)) is not None:
             browse[name] = value[:_MAX_BROWSED_VALUE]
-    return _Header(fields, missing + section + found.rest, browse)
+    return _Header(fields, missing + section + found.rest, browse, utf8=_utf8(section))
+
+
+def _utf8(section: bytes) -> bool:
+    """Whether a header section is UTF-8 beyond ASCII (RFC 6532), which needs SMTPUTF8.
+    Other 8-bit bytes (a legacy Latin-1 Subject) are not RFC 6532 text: SMTPUTF8 would not
+    make them right, and asking for it would only bounce them at servers without it, so
+    they go as they came, as before and as Postfix sends them."""
+    if section.isascii():
+        return False
+    try:
+        section.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _raw_values(fields: Message, name: str) -> list[str]:
@@ -443,8 +459,12 @@ class Intake:
                 chunks=text.chunks,
                 received_ms=now,
                 # RFC 6531: a non-ASCII address needs SMTPUTF8 (a U-label domain with an
-                # ASCII local part has its A-label by now); RFC 6152: 8-bit, 8BITMIME.
-                smtputf8=not all(a.isascii() for a in (envelope.sender, *envelope.recipients)),
+                # ASCII local part has its A-label by now), and so does a header section
+                # in UTF-8 (RFC 6532 section 3: ``To: bob@bücher.example`` sent as is,
+                # though the envelope has the A-label); RFC 6152: 8-bit, 8BITMIME.  The
+                # JSON path writes encoded-words, ASCII, unless the envelope needs it.
+                smtputf8=text.header.utf8
+                or not all(a.isascii() for a in (envelope.sender, *envelope.recipients)),
                 body_8bit=text.eight_bit,
                 headers=text.header.browse,
                 source=source,
