@@ -23,14 +23,18 @@ def ref_normalise(body: bytes) -> bytes:
 
 
 def ref_encode(body: bytes, limit: int = 998) -> bytes:
-    """Line by line: double a leading dot, then fold with CRLF SPACE, then add the terminator."""
+    """Line by line: fold the text with CRLF SPACE, then double a leading dot (RFC 5321
+    4.5.3.1.6: the doubled dot is not counted), then add the terminator."""
     wire_lines = []
     for body_line in ref_normalise(body).split(b"\r\n")[:-1]:
-        line = b"." + body_line if body_line.startswith(b".") else body_line
+        line, folded = body_line, []
         while limit and len(line) > limit:
-            wire_lines.append(line[:limit])
+            folded.append(line[:limit])
             line = b" " + line[limit:]
-        wire_lines.append(line)
+        folded.append(line)
+        if body_line.startswith(b"."):
+            folded[0] = b"." + folded[0]
+        wire_lines += folded
     return b"".join(line + b"\r\n" for line in wire_lines) + b".\r\n"
 
 
@@ -110,11 +114,34 @@ CASES: list[tuple[str, list[bytes], int, bytes]] = [
     ("fold-limit-across-chunks", [X * 500, X * 498, b"\r\n"], 998, X * 998 + b"\r\n.\r\n"),
     ("fold-limit|next-octet", [X * 998, X], 998, X * 998 + b"\r\n x\r\n.\r\n"),
     ("fold-limit|cr|lf", [X * 998 + b"\r", b"\ny"], 998, X * 998 + b"\r\ny\r\n.\r\n"),
-    ("fold-dot-counts", [b"." + X * 997], 998, b".." + X * 996 + b"\r\n x\r\n.\r\n"),
+    # RFC 5321 4.5.3.1.6: the doubled dot is not counted; 998 octets of text go unfolded
+    ("fold-dot-not-counted", [b"." + X * 997], 998, b".." + X * 997 + b"\r\n.\r\n"),
     ("fold-dot-fits", [b"." + X * 996], 998, b".." + X * 996 + b"\r\n.\r\n"),
+    ("fold-dot-limit+1", [b"." + X * 998], 998, b".." + X * 997 + b"\r\n x\r\n.\r\n"),
+    (
+        "fold-dot-2nd-line",
+        [b"a\r\n." + X * 997 + b"\r\n"],
+        998,
+        b"a\r\n.." + X * 997 + b"\r\n.\r\n",
+    ),
+    ("fold-dot|rest", [b".", X * 997, b"\r\n"], 998, b".." + X * 997 + b"\r\n.\r\n"),
+    (
+        "fold-dot|rest|octet",
+        [b"." + X * 500, X * 497, X],
+        998,
+        b".." + X * 997 + b"\r\n x\r\n.\r\n",
+    ),
+    (
+        "fold-crlf|dot-line",
+        [b"a\r\n", b"." + X * 998],
+        998,
+        b"a\r\n.." + X * 997 + b"\r\n x\r\n.\r\n",
+    ),
+    ("fold-small-dot", [b".abcde"], 3, b"..ab\r\n cd\r\n e\r\n.\r\n"),
+    ("fold-small-dot-fits", [b".ab\r\n.c"], 3, b"..ab\r\n..c\r\n.\r\n"),
     ("fold-small", [b"abcdefghij"], 4, b"abcd\r\n efg\r\n hij\r\n.\r\n"),
     ("fold-small-dot-not-stuffed", [b"abcd.efg"], 4, b"abcd\r\n .ef\r\n g\r\n.\r\n"),
-    ("fold-limit-2", [b".abc"], 2, b"..\r\n a\r\n b\r\n c\r\n.\r\n"),
+    ("fold-limit-2", [b".abc"], 2, b"..a\r\n b\r\n c\r\n.\r\n"),
     ("fold-off", [X * 5000], 0, X * 5000 + b"\r\n.\r\n"),
     ("fold-off-dot", [b"." + X * 5000], 0, b".." + X * 5000 + b"\r\n.\r\n"),
 ]
@@ -245,15 +272,37 @@ def test_properties(case: tuple[bytes, list[bytes]], limit: int) -> None:
     assert wire == b".\r\n" or wire.endswith(b"\r\n.\r\n")
     for line in wire_lines(wire):
         assert not line.startswith(b".") or line.startswith(b"..")
-    # (4) the inverse gives back the normalised body when nothing needed folding (a doubled
-    # dot counts towards the limit, so a dot-led line is one octet longer on the wire)
+    # (4) the recipient gets the normalised body when no line of it is over the limit: a
+    # doubled dot does not count (RFC 5321 4.5.3.1.6), so "." + 997 octets is not folded
     normalised = ref_normalise(body)
-    wire_lengths = [len(line) + line.startswith(b".") for line in normalised.split(b"\r\n")]
-    if limit == 0 or max(wire_lengths) <= limit:
+    if limit == 0 or max(map(len, normalised.split(b"\r\n"))) <= limit:
         assert dot_unstuff(wire) == normalised
-    # (5) with folding on, no line on the wire (doubled dot included) exceeds the limit
+    # (5) with folding on, no line on the wire exceeds the limit, its doubled dot not counted
+    # (a wire line that starts with "." is a dot-stuffed one; a continuation starts with " ")
     if limit:
-        assert all(len(line) <= limit for line in wire_lines(wire))
+        assert all(len(line) - line.startswith(b".") <= limit for line in wire_lines(wire))
+
+
+# Lines near the RFC 5321 limit, many of them dot-led: 998 octets of text, with CRLF 1000.
+LONG_LINES = st.lists(
+    st.tuples(st.sampled_from([b"", b".", b".."]), st.integers(0, 998), st.sampled_from(b"x. ")),
+    min_size=1,
+    max_size=6,
+).map(lambda rows: [(lead + bytes([fill]) * 998)[:n] for lead, n, fill in rows])
+
+
+@settings(max_examples=200)
+@given(LONG_LINES, st.lists(st.integers(0, 6000), max_size=6))
+def test_a_line_of_998_octets_reaches_the_recipient_unchanged(
+    lines: list[bytes], cuts: list[int]
+) -> None:
+    """Property: with the default limit, the unstuffed payload is the body itself when no
+    line is over 998 octets (what the receiver and the API accept), however it is cut."""
+    body = b"".join(line + b"\r\n" for line in lines)
+    bounds = [0, *sorted(c % (len(body) + 1) for c in cuts), len(body)]
+    wire = encode([body[a:b] for a, b in itertools.pairwise(bounds)])
+    assert dot_unstuff(wire) == body
+    assert all(len(line) - line.startswith(b".") <= 998 for line in wire_lines(wire))
 
 
 SMUGGLE_WORDS = st.lists(

@@ -23,9 +23,11 @@ without ever being held whole.  Per chunk, :class:`DotStuffer` does five things,
    inserting CRLF SPACE, as Postfix's ``smtp_line_length_limit`` does: RFC 5321 section
    4.5.3.1.6 caps a text line at 1000 octets with its CRLF, and a receiver may refuse longer
    ones.  The space turns the break into header folding inside headers (RFC 5322 section 2.2.3)
-   and leaves the least damage elsewhere.  The doubled dot *is* counted here, although the RFC
-   lets it go uncounted: the guarantee is then simply "no line on the wire is longer than
-   ``max_line_length``", which holds even against a receiver that counts raw octets.
+   and leaves the least damage elsewhere.  The doubled dot is *not* counted, as the RFC has it
+   ("not counting the leading dot duplicated for transparency"): the receiver, the API and
+   ``zoneq.queue.line_limit`` accept a line of 998 octets after unstuffing, so one that
+   starts with ``.`` must reach the recipient unchanged, 999 octets on the wire.  A line is
+   folded only when its text (what the recipient gets) is over ``max_line_length``.
    ``max_line_length=0`` turns folding off.
 4. **Terminator.**  :meth:`DotStuffer.finish` adds CRLF if the body did not end with a line
    ending, then ``.`` CRLF, so the payload always ends in CRLF ``.`` CRLF (section 4.1.1.4).
@@ -33,11 +35,12 @@ without ever being held whole.  Per chunk, :class:`DotStuffer` does five things,
 
 Chunk boundaries carry only two pieces of state, so nothing is ever held back:
 
-* ``_col``: octets already sent on the current wire line.  Zero means "at the start of a line",
-  the only place a dot needs doubling (a folded continuation starts with SPACE, so it is never
-  zero mid-line).  Folding uses it to know how much room the line has left, and only breaks a
-  line when a further octet actually arrives, so a line ending exactly at the limit is not
-  followed by an empty continuation.
+* ``_col``: octets already sent on the current wire line, a doubled dot not counted.  Zero means
+  "at the start of a line", the only place a dot needs doubling (a folded continuation starts
+  with SPACE, so it is never zero mid-line, and a doubled dot alone counts one).  Folding uses it
+  to know how much room the line has left, and only breaks a line when a further octet actually
+  arrives, so a line ending exactly at the limit is not followed by an empty continuation.  A
+  wire line that starts with ``.`` is always a dot-stuffed one: that dot is the one not counted.
 * ``_skip_lf``: the previous chunk ended in CR.  That CR was already sent as CRLF; if the next
   chunk starts with LF, that LF is the second half of the same line ending and is dropped.
 
@@ -122,10 +125,15 @@ def _fold_segment(segment: bytes, col: int, limit: int) -> bytes:
 
 
 def _fold(wire: bytes, col: int, limit: int) -> bytes:
-    """Fold every line of ``wire`` (CRLF endings only) that is longer than ``limit`` octets."""
+    """Fold every line of ``wire`` (CRLF endings only) that is longer than ``limit`` octets,
+    a doubled dot not counted (RFC 5321 4.5.3.1.6): such a line starts as if at column -1."""
     lines = wire.split(_CRLF)
-    lines[0] = _fold_segment(lines[0], col, limit)
-    lines[1:] = [_fold_segment(line, 0, limit) if len(line) > limit else line for line in lines[1:]]
+    first = lines[0]
+    lines[0] = _fold_segment(first, -1 if col == 0 and first[:1] == b"." else col, limit)
+    lines[1:] = [
+        _fold_segment(line, -(line[:1] == b"."), limit) if len(line) > limit else line
+        for line in lines[1:]
+    ]
     return _CRLF.join(lines)
 
 
@@ -137,8 +145,8 @@ class DotStuffer:
     """
 
     def __init__(self, max_line_length: int = DEFAULT_MAX_LINE_LENGTH) -> None:
-        # With a limit of 1, a doubled dot (2 octets) could never fit, and a continuation line
-        # (SPACE plus at least one octet) could never make progress.
+        # With a limit of 1, a continuation line (SPACE plus at least one octet) could never
+        # make progress.
         if max_line_length != 0 and max_line_length < 2:
             raise ValueError("max_line_length must be 0 (no folding) or at least 2")
         self._limit = max_line_length
@@ -168,7 +176,10 @@ class DotStuffer:
         if self._limit and not _fits(wire, self._col, self._limit):
             wire = _fold(wire, self._col, self._limit)
         last_lf = wire.rfind(b"\n")
-        self._col = self._col + len(wire) if last_lf < 0 else len(wire) - last_lf - 1
+        if last_lf < 0:  # the line goes on; one just started with a doubled dot counts it once
+            self._col += len(wire) - (self._col == 0 and wire[0] == 0x2E)
+        else:
+            self._col = len(wire) - last_lf - 1 - wire.startswith(b".", last_lf + 1)
         return wire
 
     def finish(self) -> bytes:
