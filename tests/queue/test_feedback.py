@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.queue.test_service import Clock
+from tests.queue.test_service import Clock, outcome
 from tests.storage.conftest import MINUTE, SECOND, async_test, queue_message
 from zoneq.config import load_config, validate_config
 from zoneq.protocol.provider_replies import PROVIDER_RULES
 from zoneq.protocol.reply_rules import ReplyAction
 from zoneq.queue.feedback import DomainFeedback
 from zoneq.queue.scheduler import DomainSlots
-from zoneq.queue.service import QueueService
+from zoneq.queue.service import QueueService, Result
 from zoneq.storage.store import QueueStore
 
 GMAIL_RATE = "421 4.7.28 Our system has detected an unusual rate of unsolicited mail"
@@ -179,3 +179,30 @@ async def test_the_service_holds_a_slowed_domain_back_and_lets_others_go(
     clock.now += SECOND
     (job,) = await service.lease("default", "w1", max_jobs=20)
     assert job.domain == "gmail.com"
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["the-remote-said-it", "a-plugin-said-it"])
+@async_test
+async def test_only_a_remote_reply_rests_our_address(store: QueueStore, local: bool) -> None:
+    """A sender:connect plugin's refusal (``local_reply``) that reads like a blocklist
+    reply is the plugin's word, not the provider's: our source address is not rested for
+    the domain, and the plugin's 5xx bounces as it said rather than being ruled a deferral."""
+    service = QueueService(store, load_config(), hostname="mx.test", clock=Clock())
+    await queue_message(store, [("r@outlook.com", "default")])
+    (job,) = await service.lease("default", "w1")
+    report = outcome(
+        job,
+        Result.BOUNCED,
+        code=554,
+        enhanced="5.7.1",
+        reply=SPAMHAUS,
+        mx="mx.outlook.com",
+        source_ip="192.0.2.1",
+        local_reply=local,
+    )
+    await service.report("w1", report)
+    zone_feedback = service._zone("default").slots.feedback
+    assert zone_feedback is not None
+    assert zone_feedback.rested("outlook.com") == ({"192.0.2.1"} if not local else frozenset())
+    kinds = [event.kind.value for _, event in store.events() if event.kind.value != "accepted"]
+    assert kinds == (["deferred"] if not local else ["bounced"])

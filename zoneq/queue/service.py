@@ -657,6 +657,11 @@ class QueueService:
         if item.result not in (Result.DEFERRED, Result.BOUNCED):
             return item
         feedback = self._zone(running.zone).slots.feedback
+        if item.local_reply:
+            # A plugin's own refusal, not the provider's: it says nothing of our address's
+            # standing there (it must not rest the source address or slow the domain), and
+            # the plugin's 4xx/5xx is its decision; only its category is the reply's class.
+            feedback = None
         rules = feedback.rules if feedback is not None else ()
         ruling = rule_report(rules, item.code, item.enhanced, item.reply)
         action = ruling.action
