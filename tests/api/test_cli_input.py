@@ -15,6 +15,7 @@ import threading
 import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
@@ -119,8 +120,9 @@ def _display_width(text: str) -> int:
 
 
 @contextmanager
-def not_http() -> Iterator[int]:
-    """A listener on 127.0.0.1 that answers one request with a line that is not HTTP."""
+def not_http(answer_with: bytes = b"SMTP? 220 not http\r\n\r\n") -> Iterator[int]:
+    """A listener on 127.0.0.1 that answers one request with ``answer_with`` (by default a
+    line that is not HTTP), then closes."""
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
 
@@ -133,7 +135,7 @@ def not_http() -> Iterator[int]:
                 return
             with conn:
                 conn.recv(65536)
-                conn.sendall(b"SMTP? 220 not http\r\n\r\n")
+                conn.sendall(answer_with)
 
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()
@@ -167,6 +169,21 @@ def test_an_answer_that_is_not_http_is_an_api_error() -> None:
 def test_what_http_cannot_carry_is_an_invalid_request(host: str, token: str) -> None:
     with pytest.raises(InvalidRequest, match="cannot send a request"):
         ApiClient(host, closed_port(), token, timeout=10).call("GET", "/api/v1/queue")
+
+
+def test_a_download_that_breaks_off_is_an_error_and_leaves_no_part(tmp_path: Path) -> None:
+    """The API's answer ends before its Content-Length (the server failed to read the
+    rest): an error, exit 1, and no partial file that could pass for the message."""
+    broken = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nFrom: a@b.test\r\n"
+    target = tmp_path / "message.eml"
+    with not_http(broken) as port:
+        done = zoneq(
+            "queue", "source", "0018bcfe56800000", "-o", str(target),
+            "--api", f"127.0.0.1:{port}", "--token", "t",
+        )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "the download broke off" in done.stderr and "Traceback" not in done.stderr
+    assert not target.exists()
 
 
 # --- the command: exit status and --json on failures -------------------------------------

@@ -129,6 +129,14 @@ class ApiClient:
         connection, response = self._send("GET", path, None, None, {})
         try:
             shutil.copyfileobj(response, out, BLOCK)
+            # read(amount) of a length-delimited answer returns short at a closed
+            # connection instead of raising (chunked answers raise IncompleteRead).
+            if response.length:
+                raise http.client.IncompleteRead(b"", response.length)
+        except (OSError, http.client.HTTPException) as exc:
+            # The answer broke off (the server could not read the rest, or the connection
+            # went): what was written is not the whole message.
+            raise ApiError(0, f"the download broke off: {exc!r}") from None
         finally:
             connection.close()
 

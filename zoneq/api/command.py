@@ -154,8 +154,13 @@ def _show(api: ApiClient, args: argparse.Namespace) -> Result:
 def _source(api: ApiClient, args: argparse.Namespace) -> Result:
     source = V1 + quoted_path("messages", args.id, "source")
     if args.output:
-        with Path(args.output).open("wb") as out:
-            api.download(source, out)
+        target = Path(args.output)
+        try:
+            with target.open("wb") as out:
+                api.download(source, out)
+        except ApiError:
+            target.unlink(missing_ok=True)  # a part of a message must not pass for one
+            raise
     else:
         api.download(source, sys.stdout.buffer)
         sys.stdout.buffer.flush()
