@@ -236,6 +236,27 @@ async def test_retry_message_domain_and_zone(store: QueueStore) -> None:
 
 
 @async_test
+async def test_retry_counts_recipients_on_the_wire(store: QueueStore) -> None:
+    """A leased recipient is counted (its deferral will be due now), so a message with one
+    on the wire is no 409; one with only a ready recipient, not leased, still is."""
+    wire = await queue_message(store, [("a@ok.test", "default")])
+    idle = await queue_message(store, [("b@b.test", "default")])
+    (lease,) = store.lease("default", 1, "test")
+    assert lease.recipient.msg_id == wire
+    async with api_running(store) as api:
+        status, body = await api.call("POST", f"/api/v1/messages/{format_id(wire)}/retry")
+        assert (status, body) == (200, {"count": 1})
+        status, body = await api.call("POST", f"/api/v1/messages/{format_id(idle)}/retry")
+        assert status == 409 and "nothing on the wire" in body["error"]["message"]
+        assert (await api.call("POST", "/api/v1/zones/default/retry"))[1] == {"count": 1}
+        assert (await api.call("POST", "/api/v1/domains/ok.test/retry"))[1] == {"count": 1}
+        assert (await api.call("POST", "/api/v1/domains/b.test/retry"))[1] == {"count": 0}
+        await store.defer(lease, T0, T0 + HOUR, Outcome(reply="451 4.3.0 try later"))
+        assert await counts(api) == {"ready": 2, "leased": 0, "deferred": 0, "held": 0}
+    await assert_consistent(store)
+
+
+@async_test
 async def test_hold_and_release_a_message(store: QueueStore) -> None:
     msg = await queue_message(store, [("a@ok.test", "default"), ("b@ok.test", "default")])
     path = f"/api/v1/messages/{format_id(msg)}"

@@ -181,7 +181,10 @@ PATHS: Final[dict[str, dict[str, Any]]] = {
         )
     },
     "/api/v1/messages/{id}/retry": {
-        "post": _message_op("Deferred recipients of the message are ready now")
+        "post": _message_op(
+            "Deferred recipients of the message are ready now, and those on the wire when"
+            " their attempt defers (both counted); 409 when it has none of either"
+        )
     },
     "/api/v1/messages/{id}/hold": {
         "post": _op(
@@ -238,7 +241,8 @@ PATHS: Final[dict[str, dict[str, Any]]] = {
     },
     "/api/v1/zones/{zone}/retry": {
         "post": _op(
-            "Deferred recipients of the zone (or of ?domain= in it) are ready now",
+            "Deferred recipients of the zone (or of ?domain= in it) are ready now, and those"
+            " on the wire when their attempt defers (both counted)",
             COUNT,
             params=(ZONE, _param("domain", "query", "only this destination domain (not empty)")),
             errors=(400, 404, 503),
@@ -270,7 +274,8 @@ PATHS: Final[dict[str, dict[str, Any]]] = {
     },
     "/api/v1/domains/{domain}/retry": {
         "post": _op(
-            "Deferred recipients for a destination domain, in every zone, are ready now",
+            "Deferred recipients for a destination domain, in every zone, are ready now, and"
+            " those on the wire when their attempt defers (both counted)",
             COUNT,
             params=(_param("domain", "path", "destination domain"),),
             errors=(503,),

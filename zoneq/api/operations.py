@@ -2,7 +2,8 @@
 
 Zone-wide operations answer with how many recipients they changed (0 is an answer); one
 message's hold, release or retry that changes nothing is 409, since the caller named a
-message in a state the operation does not apply to (nothing held, nothing deferred).
+message in a state the operation does not apply to (nothing held; for a retry, nothing
+deferred and nothing on the wire, whose deferral the retry would make due at once).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _count(count: int) -> web.Response:
 
 def _changed(count: int, msg_id: int, what: str) -> web.Response:
     if count == 0:
-        raise Conflict(f"message {format_id(msg_id)} has no {what} recipients")
+        raise Conflict(f"message {format_id(msg_id)} has {what}")
     return _count(count)
 
 
@@ -71,7 +72,8 @@ async def purge(request: web.Request) -> web.Response:
 
 async def retry_message(request: web.Request) -> web.Response:
     msg_id = message_id(request)
-    return _changed(await context(request).admin.retry_message(msg_id), msg_id, "deferred")
+    retried = await context(request).admin.retry_message(msg_id)
+    return _changed(retried, msg_id, "nothing on the wire and no deferred recipients")
 
 
 async def hold_message(request: web.Request) -> web.Response:
@@ -86,11 +88,14 @@ async def hold_message(request: web.Request) -> web.Response:
 
 async def release_message(request: web.Request) -> web.Response:
     msg_id = message_id(request)
-    return _changed(await context(request).admin.release_message(msg_id), msg_id, "held")
+    return _changed(
+        await context(request).admin.release_message(msg_id), msg_id, "no held recipients"
+    )
 
 
 async def retry_zone(request: web.Request) -> web.Response:
-    """Deferred recipients of the zone (``?domain=`` to narrow) are ready now."""
+    """Deferred recipients of the zone (``?domain=`` to narrow) are ready now, and those on
+    the wire when their attempt defers; how many of both."""
     ctx = context(request)
     domain = request.query.get("domain")
     if domain is not None:
@@ -102,7 +107,8 @@ async def retry_zone(request: web.Request) -> web.Response:
 
 
 async def retry_domain(request: web.Request) -> web.Response:
-    """Deferred recipients for one destination domain, in every zone, are ready now."""
+    """Deferred recipients for one destination domain, in every zone, are ready now, and
+    those on the wire when their attempt defers; how many of both."""
     return _count(await context(request).admin.retry(None, request.match_info["domain"]))
 
 

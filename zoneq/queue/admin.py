@@ -188,6 +188,8 @@ class QueueAdmin:
         return await self.store.unhold(msg_id)
 
     async def retry_message(self, msg_id: int) -> int:
+        """The message's deferred recipients are ready at once, and those on the wire are
+        if their attempt defers (``storage/retrymarks.py``); how many of both."""
         moved = 0
         for zone in self.store.message(msg_id).zones:
             moved += await self.store.retry_now(zone, msg_id=msg_id)
@@ -226,11 +228,14 @@ class QueueAdmin:
 
     async def retry(self, zone: str | None = None, domain: str | None = None) -> int:
         """Deferred recipients of a zone (every zone if None), or of one destination domain
-        in it, are ready at once: their delays are reset."""
+        in it, are ready at once: their delays are reset.  Those on the wire are ready at
+        once if their attempt defers (``storage/retrymarks.py``): marked before the walk,
+        so one that defers behind the walk's position is caught too.  How many of both."""
         zones = [self.check_zone(zone)] if zone is not None else self.zones()
         wanted = _normal(domain)
         moved = 0
         for name in zones:
+            moved += self.store.retry_on_return(name, domain=wanted)
             moved += await self._walk(
                 name,
                 State.DEFERRED,

@@ -9,7 +9,7 @@ from zoneq.errors import NotFound, StorageCorruption
 from zoneq.protocol.domains import normal_domain
 from zoneq.protocol.events import Event, EventKind
 from zoneq.protocol.ids import format_id, id_time_ms
-from zoneq.storage import keys
+from zoneq.storage import keys, retrymarks
 from zoneq.storage.base import (
     FAMILY_STATE,
     STATE_FAMILY,
@@ -49,6 +49,13 @@ def same_mailbox(stored: str, given: str) -> bool:
     if not at or not given_at:
         return stored == given
     return local == given_local and normal_domain(domain) == normal_domain(given_domain)
+
+
+def _scope(family: bytes, zone: str, msg_id: int | None) -> bytes:
+    """The key prefix of a zone's records in ``family``, or of one message's there."""
+    if msg_id is None:
+        return keys.zone_prefix(family, zone)
+    return keys.record_message_prefix(family, zone, msg_id)
 
 
 class AdminMixin(StoreBase):
@@ -230,20 +237,36 @@ class AdminMixin(StoreBase):
     async def retry_now(
         self, zone: str, *, msg_id: int | None = None, domain: str | None = None
     ) -> int:
-        """Deferred recipients of a zone (or one message / domain in it) are ready at once."""
+        """Deferred recipients of a zone (or one message / domain in it) are ready at once,
+        and leased ones are if their attempt defers (``retry_on_return``); how many of both."""
         self._check()
-        prefix = (
-            keys.zone_prefix(keys.DEFERRED, zone)
-            if msg_id is None
-            else keys.record_message_prefix(keys.DEFERRED, zone, msg_id)
-        )
+        on_return = self.retry_on_return(zone, msg_id=msg_id, domain=domain)
         wanted = None if domain is None else normal_domain(domain)
         chosen = (
             QueuedRecipient(State.DEFERRED, record)
-            for _, record in self._records(prefix)
+            for _, record in self._records(_scope(keys.DEFERRED, zone, msg_id))
             if wanted is None or domain_is(record.domain, wanted)
         )
-        return await self._make_ready(chosen)
+        return on_return + await self._make_ready(chosen)
+
+    def retry_on_return(
+        self, zone: str, *, msg_id: int | None = None, domain: str | None = None
+    ) -> int:
+        """Mark the leased recipients of a zone (or one message / domain in it): due at once
+        if their attempt defers (``retrymarks.py``); how many.  One to be held on return is
+        left alone: a retry resets delays and never releases a hold (as for held ones).
+        A zone's walk marks first, so an attempt that defers behind its position is caught."""
+        self._check()
+        prefix = _scope(keys.READY, zone, msg_id)
+        wanted = None if domain is None else normal_domain(domain)
+        leased = [
+            lease
+            for key, lease in self._leases.items()
+            if key.startswith(prefix)
+            and key not in self._hold_marks
+            and (wanted is None or domain_is(lease.recipient.domain, wanted))
+        ]
+        return retrymarks.mark(self._retry_marks, leased)
 
     def count(self, zone: str, state: State) -> int:
         """O(1): recipients of ``zone`` in ``state``."""

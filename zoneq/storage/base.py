@@ -35,6 +35,7 @@ from zoneq.storage.records import (
     encode_head,
     recipient_domain,
 )
+from zoneq.storage.retrymarks import forget
 from zoneq.storage.space import SpaceGuard
 from zoneq.storage.writer import GroupWriter
 
@@ -143,6 +144,8 @@ class StoreBase:
         self._leases = LeaseTable()  # with a count per zone (``count(zone, LEASED)``)
         # Leased recipients to hold when their attempt ends undelivered (``holdmarks.py``).
         self._hold_marks: dict[bytes, str] = {}
+        # Leased recipients a retry asked for: due at once if they defer (``retrymarks.py``).
+        self._retry_marks: dict[bytes, int] = {}
         # Outcomes on their way to disk (their leases taken, their batches not landed), and
         # outcomes held while the database cannot write (``held.py``).
         self._settling: dict[bytes, Held] = {}
@@ -447,6 +450,8 @@ class StoreBase:
             # (a delete, a purge, an orphan's removal ...): a mark left behind would hold a
             # later record under the same key, or at the next start (``holdmarks.py``).
             ops.extend(unmark(self._hold_marks, key))
+        if self._retry_marks:
+            forget(self._retry_marks, key)  # a retry's mark goes with its record too
         if state is State.DEFERRED and record is not None:
             # (A corrupt deferred record leaves its due entry; promote_due drops dangling ones.)
             ops.append((keys.due(zone, record.next_attempt_ms, msg_id, address), None))
@@ -517,6 +522,8 @@ class StoreBase:
                 if key in self._leases:
                     ops.append(mark(self._hold_marks, key, reason))
                     marked.append(key)
+                    if self._retry_marks:
+                        forget(self._retry_marks, key)  # held on return, not retried
                     continue
             ops.extend(self._remove_record(queued))
             self._counters.move(record.zone, record.domain, None, State.HELD)

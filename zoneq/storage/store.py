@@ -70,6 +70,7 @@ from zoneq.storage.records import (
     new_record_value,
     recipient_domain,
 )
+from zoneq.storage.retrymarks import due_now, forget
 from zoneq.storage.space import SpaceGuard
 from zoneq.storage.stepback import step_back_bound
 from zoneq.storage.writer import GroupWriter
@@ -396,6 +397,8 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             task.add_done_callback(_released_held)
             return
         self._take(lease)
+        if self._retry_marks:  # ready again at once: nothing left for a retry to do
+            forget(self._retry_marks, lease.key)
         self._cursor_back(lease.recipient.zone, lease.key)
 
     def release_owner(self, owner: str) -> int:
@@ -427,6 +430,8 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             ops.extend(self._recipients_gone(record.msg_id, head))
         if self._hold_marks:  # delivered: a hold on return has nothing left to hold
             ops.extend(unmark(self._hold_marks, lease.key))
+        if self._retry_marks:  # nor a retry anything to retry
+            forget(self._retry_marks, lease.key)
         if notice is None:
             await self._write_outcome(held, ops, sync=False)
             return
@@ -460,15 +465,24 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             reason = self._hold_marks[lease.key]
             await self._held_at_end(held, reason, now_ms, outcome, delay_notice)
             return
-        record = lease.recipient.after_attempt(now_ms, outcome.reply, next_attempt_ms)
+        # An administrator's retry came while this was on the wire (``retrymarks.py``):
+        # ready again at once, this attempt on record (its event, its count).
+        retry = bool(self._retry_marks) and due_now(self._retry_marks, lease)
+        record = lease.recipient.after_attempt(
+            now_ms, outcome.reply, 0 if retry else next_attempt_ms
+        )
         if delay_notice is not None:
             record = replace(record, delay_notified=True)
-        ops: list[Op] = [(lease.key, None)]
-        ops.extend(self._defer_ops(record))
+        effects: list[Callable[[], None]]
+        if retry:
+            ops: list[Op] = [(lease.key, record.encode())]
+            effects = [self._readied({record.zone: lease.key})]
+        else:
+            ops = [(lease.key, None), *self._defer_ops(record)]
+            self._counters.move(record.zone, record.domain, State.READY, State.DEFERRED)
+            due_key = keys.due(record.zone, next_attempt_ms, record.msg_id, record.address)
+            effects = [self._due_back(record.zone, due_key), self._due_raised(record.zone, due_key)]
         ops.append(self._outcome_event(EventKind.DEFERRED, record, now_ms, outcome))
-        self._counters.move(record.zone, record.domain, State.READY, State.DEFERRED)
-        due_key = keys.due(record.zone, next_attempt_ms, record.msg_id, record.address)
-        effects = [self._due_back(record.zone, due_key), self._due_raised(record.zone, due_key)]
         if delay_notice is not None:
             notice_ops, ready = self._notice_ops(delay_notice, now_ms)
             ops.extend(notice_ops)
@@ -513,6 +527,8 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         held_key = keys.record(keys.HELD, record.zone, record.msg_id, record.address)
         ops: list[Op] = [(lease.key, None), (held_key, record.encode())]
         ops.extend(unmark(self._hold_marks, lease.key))
+        if self._retry_marks:  # a hold wins over a retry (``retrymarks.py``)
+            forget(self._retry_marks, lease.key)
         if outcome is not None:
             ops.append(self._outcome_event(EventKind.DEFERRED, record, now_ms, outcome))
         self._counters.move(record.zone, record.domain, State.READY, State.HELD)
@@ -556,6 +572,8 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             ops.extend(self._recipients_gone(record.msg_id, head))
         if self._hold_marks:  # bounced (its DSN is owed whatever the hold): done
             ops.extend(unmark(self._hold_marks, lease.key))
+        if self._retry_marks:
+            forget(self._retry_marks, lease.key)
         effect = None
         if notice is not None:
             notice_ops, ready = self._notice_ops(notice, now_ms)
