@@ -270,6 +270,17 @@ def test_ourselves_without_an_interface_list_keeps_listeners_and_pools(
         ("[IPv6:2001:db8::1]", "2001:db8::1"),
         ("[ipv6:2001:DB8::1]", "2001:db8::1"),
         ("[IPv6:::ffff:192.0.2.1]", "::ffff:c000:201"),
+    ],
+)
+def test_address_literal(literal: str, expected: str) -> None:
+    parsed = address_literal(literal)
+    assert not isinstance(parsed, str), parsed  # an address, not a refusal
+    assert str(parsed) == expected
+
+
+@pytest.mark.parametrize(
+    ("literal", "expected"),
+    [
         ("[2001:db8::1]", "only IPv4 and IPv6"),
         ("[x400:some-thing]", "only IPv4 and IPv6"),
         ("[192.0.2.256]", "is not an IPv4 address"),
@@ -279,12 +290,9 @@ def test_ourselves_without_an_interface_list_keeps_listeners_and_pools(
         ("192.0.2.1", "not enclosed"),
     ],
 )
-def test_address_literal(literal: str, expected: str) -> None:
+def test_a_bad_address_literal_is_refused(literal: str, expected: str) -> None:
     parsed = address_literal(literal)
-    if isinstance(parsed, str):
-        assert expected in parsed
-    else:
-        assert str(parsed) == expected
+    assert isinstance(parsed, str) and expected in parsed
 
 
 @pytest.mark.parametrize("allow_loopback", [False, True])

@@ -1160,7 +1160,6 @@ def test_sasl_response_limit(name: str, line: bytes, expected: AuthResponse | st
     else:
         assert (events, out) == ([], [expected]), name
         assert conn.state is State.READY
-    assert len(data) <= SASL_RESPONSE_LIMIT or expected == "500 5.5.6"
 
 
 def test_the_auth_command_line_itself_stays_at_512() -> None:

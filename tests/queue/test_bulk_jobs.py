@@ -7,7 +7,6 @@ recipients over 100 domains went out in 500 transactions of 20 instead of 200 of
 
 from __future__ import annotations
 
-import math
 from collections import Counter, defaultdict
 
 import pytest
@@ -52,7 +51,6 @@ async def test_a_bulk_message_goes_out_in_full_jobs(
         wanted = sum(1 for address in addresses if address.endswith("@" + domain))
         full, rest = divmod(wanted, 50)
         assert sorted(got, reverse=True) == [50] * full + ([rest] if rest else []), domain
-    assert len(jobs) == sum(math.ceil(n / 50) for n in Counter(a[-9:] for a in addresses).values())
     await store.drain()
     assert store.message_count() == 0
     await assert_consistent(store)
