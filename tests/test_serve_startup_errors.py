@@ -11,23 +11,14 @@ no Python traceback.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
 from tests.support.command import zoneq
-from tests.support.serve import running_serve, write_serve_config
+from tests.support.serve import running_serve, set_config_line, write_serve_config
 
 pytestmark = pytest.mark.integration
-
-
-def set_key(config: Path, key: str, value: str) -> None:
-    """Replace the first ``key = ...`` line of ``config``, or add it to ``[api]``."""
-    text = config.read_text()
-    line = f'{key} = "{value}"'
-    changed, count = re.subn(rf"^{key} = .*$", line, text, count=1, flags=re.M)
-    config.write_text(changed if count else text.replace("[api]\n", f"[api]\n{line}\n"))
 
 
 def a_config(directory: Path) -> Path:
@@ -45,7 +36,7 @@ def test_a_data_dir_that_cannot_be_created_is_one_line_naming_the_key(
     (tmp_path / "under-a-file").write_text("not a directory\n")
     (tmp_path / "a-file").write_text("not a directory\n")
     config = a_config(tmp_path / "zoneq")
-    set_key(config, "data_dir", str(tmp_path / where))
+    set_config_line(config, "api", f'data_dir = "{tmp_path / where!s}"')
     done = zoneq("serve", "--config", str(config))
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
@@ -59,7 +50,7 @@ def test_a_second_serve_on_the_same_ipc_socket_is_one_line_naming_the_key(
     first = a_config(tmp_path / "a")
     second = a_config(tmp_path / "b")  # its own data directory and ports
     socket_path = tmp_path / "a" / "zoneq.sock"
-    set_key(second, "ipc_socket", str(socket_path))
+    set_config_line(second, "api", f'ipc_socket = "{socket_path!s}"')
     with running_serve(first, tmp_path / "a.log"):
         done = zoneq("serve", "--config", str(second))
         assert socket_path.exists()  # the first one's socket was left alone
@@ -83,7 +74,7 @@ def test_a_worker_with_no_core_listening_exits_1_with_one_line(tmp_path: Path) -
 def test_check_config_refuses_a_missing_token_file_as_serve_does(tmp_path: Path) -> None:
     config = a_config(tmp_path / "zoneq")
     missing = tmp_path / "no-such-token"
-    set_key(config, "token_file", str(missing))
+    set_config_line(config, "api", f'token_file = "{missing!s}"')
     checked = zoneq("check-config", str(config))
     served = zoneq("serve", "--config", str(config))
     for done in (checked, served):
@@ -104,7 +95,7 @@ def test_a_token_file_others_can_read_is_a_warning_not_a_refusal(
     token = tmp_path / "token"
     token.write_text("a-token-long-enough-for-the-api-0123456789\n")
     token.chmod(mode)
-    set_key(config, "token_file", str(token))
+    set_config_line(config, "api", f'token_file = "{token!s}"')
     warning = f"api.token_file: {token} is readable by group or others (mode {mode:04o})"
     checked = zoneq("check-config", str(config))
     assert checked.returncode == 0, checked.stderr

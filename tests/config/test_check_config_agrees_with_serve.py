@@ -7,24 +7,14 @@ refuses before it opens the queue or binds a port, so nothing is left running.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
 from tests.support.command import zoneq
-from tests.support.serve import write_serve_config
+from tests.support.serve import set_config_line, write_serve_config
 
 pytestmark = pytest.mark.integration
-
-
-def _set(config: Path, section: str, line: str) -> None:
-    text = config.read_text()
-    key = line.split(" = ", maxsplit=1)[0]
-    changed, count = re.subn(rf"^{key} = .*$", line, text, count=1, flags=re.M)
-    config.write_text(
-        changed if count else text.replace(f"[{section}]\n", f"[{section}]\n{line}\n")
-    )
 
 
 @pytest.mark.parametrize(
@@ -42,7 +32,7 @@ def test_check_config_and_serve_both_refuse(
     config = write_serve_config(tmp_path / "zoneq", mx_port=25, dns_port=53)
     if section == "storage":
         config.write_text(config.read_text() + "\n[storage]\n")
-    _set(config, section, line)
+    set_config_line(config, section, line)
     checked = zoneq("check-config", str(config), timeout=60)
     served = zoneq("serve", "--config", str(config), timeout=60)
     for done in (checked, served):

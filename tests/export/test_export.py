@@ -10,7 +10,6 @@ import asyncio
 import json
 import smtplib
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -38,7 +37,6 @@ from zoneq.protocol.ids import format_id, parse_id
 from zoneq.storage.export import QUEUE_FIELDS, event_records, queue_records
 from zoneq.storage.store import QueueStore
 
-ROOT = Path(__file__).resolve().parents[2]
 EVENT_NAMES = [name for name, _, _ in EVENT_COLUMNS]
 
 # --- pure parts ---------------------------------------------------------------------------
@@ -327,23 +325,8 @@ def test_command_exports_a_running_zoneq_through_its_api(tmp_path: Path) -> None
                 raise AssertionError(f"{exc!r}; serve.log ends:\n{serve.log_tail()}") from exc
 
         def export() -> subprocess.CompletedProcess[str]:
-            return subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "zoneq",
-                    "export",
-                    str(out),
-                    "--config",
-                    str(config),
-                    "--format",
-                    "jsonl",
-                ],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
+            return zoneq(
+                "export", str(out), "--config", str(config), "--format", "jsonl", timeout=120
             )
 
         def export_until_delivered(count: int) -> int:

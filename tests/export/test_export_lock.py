@@ -21,9 +21,10 @@ import pytest
 
 from tests.api.conftest import api_running
 from tests.export.conftest import Traffic, stopped_directory
-from tests.export.test_export import read_export, zoneq
+from tests.export.test_export import read_export
 from tests.storage.conftest import StoreFactory, async_test
-from tests.support.serve import free_port
+from tests.support.command import zoneq
+from tests.support.serve import ROOT, free_port
 from zoneq.export.files import Format
 from zoneq.export.lock import LOCK_FILE, exclusive
 from zoneq.export.run import export_events, export_queue
@@ -31,7 +32,6 @@ from zoneq.export.sources import DirectorySource, api_unreachable
 from zoneq.export.watermark import ExportError
 from zoneq.storage.export import event_records
 
-ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0  # every wait below is bounded: a broken lock fails the test, never hangs it
 
 

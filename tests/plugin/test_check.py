@@ -7,16 +7,15 @@ suppression file that does not exist): the real commands must name all four, by 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.support.command import zoneq
 from tests.support.plugins import BUNDLED, write_plugin
-from tests.support.serve import ROOT, START_TIMEOUT, start_serve, write_serve_config
+from tests.support.serve import START_TIMEOUT, start_serve, write_serve_config
 from zoneq.config import Config, load_config
 from zoneq.config.loader import Problem
 from zoneq.plugin.check import _named_plugins, config_problems, plugin_problems
@@ -64,20 +63,9 @@ def assert_names_every_fault(text: str) -> None:
         assert len(hits) == 1, (key, text)
 
 
-def check_config_command(config: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "zoneq", "check-config", str(config)],
-        cwd=ROOT,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 def test_check_config_names_every_plugins_init_fault(tmp_path: Path) -> None:
     config = four_fault_config(tmp_path)
-    done = check_config_command(config)
+    done = zoneq("check-config", str(config), timeout=60)
     assert done.returncode == 1, done
     assert "4 problem(s)" in done.stderr
     assert_names_every_fault(done.stderr)
@@ -157,7 +145,7 @@ selector = "s1"
 key_file = "{tmp_path / "no-such-key.pem"}"
 """
     )
-    done = check_config_command(config)
+    done = zoneq("check-config", str(config), timeout=60)
     assert done.returncode == 1, done
     assert "2 problem(s)" in done.stderr, done.stderr
     lines = [line.strip() for line in done.stderr.splitlines()[1:]]

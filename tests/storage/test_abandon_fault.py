@@ -103,11 +103,12 @@ async def test_chunks_of_a_message_whose_abandon_failed_go_without_a_restart(
 
 @async_test
 async def test_a_commit_that_never_landed_leaves_no_chunks_without_a_restart(
-    stores: StoreFactory,
+    stores: StoreFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A commit refused before it reached the log, by a session that then went away
     without abandoning (cancelled while it waited): the reopen's undo of failed commits
     must let the sweep have its chunks."""
+    monkeypatch.setattr(QueueStore, "REOPEN_INTERVAL_S", 0.1)  # rounds wait this long
     store = stores.open(faulty=True)
     msg_id = store.begin(T0)
     await store.write_chunk(msg_id, 0, CHUNK)

@@ -39,6 +39,17 @@ STOP_TIMEOUT = 30.0
 KILL_TIMEOUT = 5.0
 
 
+def set_config_line(config: Path, section: str, line: str) -> None:
+    """Replace the first ``key = ...`` line of ``config`` with ``line`` (``key = value``),
+    or add it at the top of ``[section]``."""
+    text = config.read_text()
+    key = line.split(" = ", maxsplit=1)[0]
+    changed, count = re.subn(rf"^{key} = .*$", line, text, count=1, flags=re.M)
+    config.write_text(
+        changed if count else text.replace(f"[{section}]\n", f"[{section}]\n{line}\n")
+    )
+
+
 def write_serve_config(
     directory: Path,
     *,
