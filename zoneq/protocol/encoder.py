@@ -126,10 +126,10 @@ def _fold_segment(segment: bytes, col: int, limit: int) -> bytes:
 
 def _fold(wire: bytes, col: int, limit: int) -> bytes:
     """Fold every line of ``wire`` (CRLF endings only) that is longer than ``limit`` octets,
-    a doubled dot not counted (RFC 5321 4.5.3.1.6): such a line starts as if at column -1."""
+    a doubled dot not counted (RFC 5321 4.5.3.1.6): such a line starts as if at column -1.
+    ``col`` is the first line's, already -1 when it starts with a doubled dot."""
     lines = wire.split(_CRLF)
-    first = lines[0]
-    lines[0] = _fold_segment(first, -1 if col == 0 and first[:1] == b"." else col, limit)
+    lines[0] = _fold_segment(lines[0], col, limit)
     lines[1:] = [
         _fold_segment(line, -(line[:1] == b"."), limit) if len(line) > limit else line
         for line in lines[1:]
@@ -171,13 +171,15 @@ class DotStuffer:
         # A trailing CR is sent now as CRLF; an LF opening the next chunk is then dropped.
         self._skip_lf = chunk[-1] == 0x0D
         wire = to_crlf(chunk).replace(b"\r\n.", b"\r\n..")
-        if self._col == 0 and wire[0] == 0x2E:  # the chunk starts a line with "."
+        col = self._col
+        if col == 0 and wire[0] == 0x2E:  # the chunk starts a line with "."
             wire = b"." + wire
-        if self._limit and not _fits(wire, self._col, self._limit):
-            wire = _fold(wire, self._col, self._limit)
+            col = -1  # the doubled dot is not counted
+        if self._limit and not _fits(wire, col, self._limit):
+            wire = _fold(wire, col, self._limit)
         last_lf = wire.rfind(b"\n")
-        if last_lf < 0:  # the line goes on; one just started with a doubled dot counts it once
-            self._col += len(wire) - (self._col == 0 and wire[0] == 0x2E)
+        if last_lf < 0:  # the line goes on
+            self._col = col + len(wire)
         else:
             self._col = len(wire) - last_lf - 1 - wire.startswith(b".", last_lf + 1)
         return wire
