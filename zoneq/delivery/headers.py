@@ -94,13 +94,15 @@ class OutgoingBody:
     """A body source (``BodySource``) for the copy that goes out; see the module docstring.
 
     ``header()`` and ``body()`` give the header section as sent (without ``added``) and the
-    rest, separately, for the ``sender:headers`` hook.
+    rest, separately, for the ``sender:headers`` hook.  ``header()`` reads the source once
+    per attempt (the hook and the SMTPUTF8 check both ask); a failed read is not kept.
     """
 
     def __init__(self, source: BodySource, drop: str, added: bytes = b"") -> None:
         self._source = source
         self._drop = drop
         self.added = added
+        self._header: bytes | None = None  # ``header()``, once read
 
     def __call__(self) -> AsyncIterator[bytes]:
         return self._stream()
@@ -148,6 +150,11 @@ class OutgoingBody:
 
     async def header(self) -> bytes:
         """The header section as it goes out (routing header removed, nothing added)."""
+        if self._header is None:
+            self._header = await self._read_header()
+        return self._header
+
+    async def _read_header(self) -> bytes:
         sections = _sections(self._source)
         try:
             async for _is_head, data in sections:  # the first item is the header section
