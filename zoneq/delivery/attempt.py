@@ -82,7 +82,7 @@ from zoneq.delivery.transport import (
 from zoneq.delivery.transport.data import body_damaged
 from zoneq.ipc.messages import Job, Outcome, RecipientReport
 from zoneq.plugin import ConnectArgs, Hook, PluginFailure, PluginHost, SenderHeadersArgs
-from zoneq.protocol.domains import a_label, bare_domain
+from zoneq.protocol.domains import ascii_address, bare_domain
 from zoneq.protocol.dsn import Notify, Ret
 from zoneq.protocol.ids import format_id
 from zoneq.protocol.replies import DAMAGED_BODY, EnhancedStatus, Reply, Verdict
@@ -232,7 +232,6 @@ class _Walk:
         self.send = send
         # Keyed by the recipient's place in the job: two addresses of one job may be sent
         # as one (a U-label and its A-label, ``envelope_address``).
-        self.tokens = [r.token for r in job.recipients]
         self.recipients = [_recipient(r.address, r.notify, r.orcpt) for r in job.recipients]
         self.sender = envelope_address(job.sender)
         self.pending = list(range(len(job.recipients)))
@@ -313,7 +312,7 @@ class _Walk:
                 self.last[index] = (outcome, host_name)
                 still.append(index)
             else:
-                token = self.tokens[index]
+                token = self.job.recipients[index].token
                 local = result.local or source.address
                 report = _report(token, outcome, host_name, local)
                 if rcpt.notify and owes_relayed_notice(report.outcome, rcpt.notify, result):
@@ -353,7 +352,7 @@ class _Walk:
                 return True
             refusal = result.reply
         for index in self.pending:
-            token = self.tokens[index]
+            token = self.job.recipients[index].token
             self.settled[index] = _refused(token, refusal, host_name, source.address)
         self.pending = []
         return False
@@ -388,11 +387,8 @@ def envelope_address(address: str) -> str:
     kept as it is (the server judges it): both stay non-ASCII, and the transport bounces
     them at such a server.
     """
-    local, at, domain = address.rpartition("@")
-    if not at or domain.isascii() or not local.isascii():
-        return address
     try:
-        return f"{local}@{a_label(domain)}"
+        return ascii_address(address)
     except ValueError:
         return address
 

@@ -19,7 +19,7 @@ import functools
 
 import idna
 
-__all__ = ["a_label", "bare_domain", "normal_domain"]
+__all__ = ["a_label", "ascii_address", "bare_domain", "normal_domain"]
 
 
 def a_label(domain: str) -> str:
@@ -33,6 +33,17 @@ def a_label(domain: str) -> str:
     if domain.isascii():
         return domain.lower()
     return _encoded(domain)
+
+
+def ascii_address(address: str) -> str:
+    """``address`` with an ASCII local part at a U-label domain given the domain's A-label
+    (RFC 5890 section 2.3.2.1), so it needs no SMTPUTF8; any other address as it is (no
+    ``@``, an ASCII domain, or a non-ASCII local part, which has no ASCII form).
+    ``ValueError`` when IDNA refuses the domain: each caller decides what that means."""
+    local, at, domain = address.rpartition("@")
+    if not at or domain.isascii() or not local.isascii():
+        return address
+    return f"{local}@{a_label(domain)}"
 
 
 def normal_domain(domain: str) -> str:

@@ -56,7 +56,7 @@ from typing import Final
 from zoneq.config import Config
 from zoneq.errors import ZoneqError
 from zoneq.plugin import Drop, PluginHost
-from zoneq.protocol.domains import a_label, normal_domain
+from zoneq.protocol.domains import ascii_address, normal_domain
 from zoneq.protocol.relay_addresses import is_percent_hack
 from zoneq.protocol.replies import Reply
 from zoneq.queue.consults import ROUTE_DEADLINE_S, consult_all
@@ -213,11 +213,8 @@ def envelope_address(address: str, *, what: str = "address") -> str:
     local part; a domain has one.  Kept as a U-label, it would make the whole message need
     SMTPUTF8, and every recipient bounce at an MX without it (``smtputf8`` below).  A
     non-ASCII local part is kept as given: the message needs SMTPUTF8 anyway."""
-    local, at, domain = address.rpartition("@")
-    if not at or domain.isascii() or not local.isascii():
-        return address
     try:
-        return f"{local}@{a_label(domain)}"
+        return ascii_address(address)
     except ValueError as exc:
         raise Unacceptable(f"{what} {address!r}: {exc}") from None
 
