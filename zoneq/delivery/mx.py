@@ -108,7 +108,6 @@ __all__ = [
     "MxResolver",
     "MxResult",
     "address_literal",
-    "is_address_literal",
     "negative_ttl",
 ]
 
@@ -374,7 +373,7 @@ class MxResolver:
         ``ipv6`` False leaves out AAAA lookups and IPv6 addresses, for zones without IPv6.
         """
         domain = domain.rstrip(".").lower()
-        if is_address_literal(domain):
+        if domain.startswith("["):  # an address literal (RFC 5321 section 4.1.3)
             return self.literal(domain, ipv6=ipv6)  # RFC 5321 section 2.3.5: no DNS
         qname = _parse_name(domain)
         if isinstance(qname, MxResult):
@@ -632,11 +631,6 @@ def _best_records(mx: Iterable[tuple[int, str]], limit: int) -> list[tuple[int, 
     # rather than favouring names early in the alphabet.
     ordered = sorted(((preference, name) for name, preference in best.items()), key=_first)
     return ordered[:limit]
-
-
-def is_address_literal(domain: str) -> bool:
-    """Whether a recipient's domain is an address literal (RFC 5321 section 4.1.3)."""
-    return domain.startswith("[")
 
 
 def address_literal(domain: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | str:

@@ -35,7 +35,7 @@ import psutil
 
 from zoneq.config import Config
 
-__all__ = ["Ourselves", "interface_addresses", "ourselves"]
+__all__ = ["Ourselves", "ourselves"]
 
 log = logging.getLogger("zoneq.delivery")
 
@@ -57,18 +57,6 @@ class Ourselves:
 
     addresses: frozenset[str]
     allow_loopback: bool
-
-
-def interface_addresses(families: Iterable[int], interfaces: Interfaces) -> set[str]:
-    """Every address of every interface, of the given families (``socket.AF_INET`` ...),
-    IPv6 zone indexes (``fe80::1%eth0``) dropped: the MX answer carries none."""
-    wanted = set(families)
-    found: set[str] = set()
-    for entries in interfaces().values():
-        for entry in entries:
-            if entry.family in wanted:
-                found.add(entry.address.partition("%")[0])
-    return found
 
 
 def ourselves(config: Config, interfaces: Interfaces = psutil.net_if_addrs) -> Ourselves:
@@ -101,9 +89,16 @@ def ourselves(config: Config, interfaces: Interfaces = psutil.net_if_addrs) -> O
 
 
 def _listed(families: Iterable[int], interfaces: Interfaces) -> set[str]:
-    """``interface_addresses``, or none (with a warning) when the system will not say."""
+    """Every address of every interface, of the given families (``socket.AF_INET`` ...),
+    IPv6 zone indexes (``fe80::1%eth0``) dropped: the MX answer carries none.  None (with
+    a warning) when the system will not say."""
+    wanted = set(families)
+    found: set[str] = set()
     try:
-        return interface_addresses(families, interfaces)
+        for entries in interfaces().values():
+            for entry in entries:
+                if entry.family in wanted:
+                    found.add(entry.address.partition("%")[0])
     except (OSError, psutil.Error) as exc:
         log.warning(
             "cannot list this host's interface addresses for the MX loop check (%s); "
@@ -111,6 +106,7 @@ def _listed(families: Iterable[int], interfaces: Interfaces) -> set[str]:
             exc,
         )
         return set()
+    return found
 
 
 def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

@@ -486,7 +486,7 @@ class ServerConnection:
             self.hostname,
             self.max_message_size,
             starttls=self.tls_offered and not self.tls_active,
-            auth=self.auth_offered and self.tls_active,
+            auth=self._auth_parameter_allowed(),  # ``_esmtp`` is True here: EHLO
         )
 
     def _ehlo(self, arg: str, events: list[Event]) -> None:
