@@ -461,11 +461,10 @@ class QueueService:
                 # an administrator's delete, so the rest of the queue goes on (issue 7).
                 meta = None
             except StorageUnavailable:
-                # The database is closed (a reopen failed): ready again for when it is back.
-                for lease in current:
-                    with contextlib.suppress(LeaseError):
-                        self._store.release(lease)
-                meta = None
+                # The database is closed (a reopen failed): ready again for when it is back
+                # (a lease revoked meanwhile is refused before anything changes).
+                self._give_back(state, planned, slot)
+                return None
         if meta is None:
             state.slots.put_back(slot)
             return None

@@ -266,10 +266,7 @@ class StoreBase:
                     text="commit failed (the client was told 4xx)",
                 )
                 ops.append(self._event_op(dropped))
-            deletes = self._message_deletes(msg_id)
-            ops.extend(deletes)
-            ops.extend(self._note_dead_body(msg_id, len(deletes) - 2))  # all but head, meta
-            self._counters.add(MESSAGES, -1)
+            ops.extend(self._message_removed(msg_id))  # nothing staged: the writer was reset
             self._receiving.pop(msg_id, None)
             log.warning("removed message %016x: its commit failed (4xx) but landed", msg_id)
         if ops:
@@ -345,11 +342,19 @@ class StoreBase:
         if self.on_ready is not None:
             self.on_ready(zone, key)
 
-    def _due_back(self, zone: str, due_key: bytes) -> Callable[[], None]:
+    def _due_landed(self, zone: str, due_key: bytes) -> Callable[[], None]:
+        """Effect of a deferral's due key landing: the zone's due mark moves back to it, and
+        its ceiling (``QueueStore._due_ceiling``) lies above it.  On landing, not staging: a
+        scan reads the disk, so a key staged but not yet written is not passed over when the
+        ceiling is lowered after a scan."""
+
         def effect() -> None:
             mark = self._due_marks.get(zone)
             if mark is not None and due_key < mark:
                 self._due_marks[zone] = due_key
+            ceiling = self._due_ceilings.get(zone)
+            if ceiling is not None and due_key >= ceiling:
+                self._due_ceilings[zone] = due_key + b"\x00"
 
         return effect
 

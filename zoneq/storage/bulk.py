@@ -65,16 +65,14 @@ class BulkMixin(StoreBase):
         removed = {key for key, value in ops if value is None}
         for msg_id, count in gone.items():
             head = heads[msg_id]
-            if head is not None:
-                deletes = self._recipients_gone(msg_id, head, count)
-            else:
-                deletes = self._headless(msg_id, removed)
+            if head is None:
+                ops.extend(self._headless(msg_id, removed))  # its dead body noted there
+                continue
+            deletes = self._recipients_gone(msg_id, head, count)
             ops.extend(deletes)
             # A purge of big messages (a full disk's remedy) gets the space back as a
             # delete does (``_note_dead_body``); a delivery's removal is left to LevelDB.
-            prefix = keys.chunk_prefix(msg_id)
-            chunks = sum(1 for key, _ in deletes if key.startswith(prefix))
-            ops.extend(self._note_dead_body(msg_id, chunks))
+            ops.extend(self._note_dead_body(msg_id, len(deletes) - 2))  # all but head, meta
         if ops:
             await self._writer.submit(ops, sync=False)
         return len(chosen)

@@ -212,8 +212,8 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             self._check()
             ops = self._chunks_gone(msg_id)
         finally:
-            staged = self._receiving.pop(msg_id, 0)
-        chunks = max(staged, len(ops))
+            self._receiving.pop(msg_id, None)
+        chunks = len(ops)  # every chunk staged or on disk (``_chunks_gone``)
         ops.append((keys.receiving(msg_id), None))
         ops.extend(self._note_dead_body(msg_id, chunks))
         await self._writer.submit(ops, sync=False)
@@ -481,7 +481,7 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             ops = [(lease.key, None), *self._defer_ops(record)]
             self._counters.move(record.zone, record.domain, State.READY, State.DEFERRED)
             due_key = keys.due(record.zone, next_attempt_ms, record.msg_id, record.address)
-            effects = [self._due_back(record.zone, due_key), self._due_raised(record.zone, due_key)]
+            effects = [self._due_landed(record.zone, due_key)]
         ops.append(self._outcome_event(EventKind.DEFERRED, record, now_ms, outcome))
         if delay_notice is not None:
             notice_ops, ready = self._notice_ops(delay_notice, now_ms)
@@ -492,7 +492,7 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             held,
             ops,
             sync=delay_notice is not None,
-            effect=run_all(effects),
+            effect=run_all(effects) if len(effects) > 1 else effects[0],
         )
 
     async def hold_leased(
@@ -721,7 +721,7 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         prefix = keys.zone_prefix(keys.DUE, zone)
         if self._due_ceiling(zone, prefix) <= bound:
             return  # the common case: nothing lies that far ahead, and no seek is made
-        # Below the due mark nothing is left but what ``_due_back`` moved it back for.
+        # Below the due mark nothing is left but what ``_due_landed`` moved it back for.
         start = max(bound, self._due_marks.get(zone, prefix))
         before = len(ready)
         due_keys = self._db.keys(start=start, stop=keys.prefix_upper_bound(prefix))
@@ -740,27 +740,14 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
 
     def _due_ceiling(self, zone: str, prefix: bytes) -> bytes:
         """A key above every live due key of ``zone`` (``prefix``): kept in memory, raised by
-        every deferral that lands (``_due_raised``), and found by one reverse seek the first
+        every deferral that lands (``_due_landed``), and found by one reverse seek the first
         time (the keys the last run left)."""
         ceiling = self._due_ceilings.get(zone)
         if ceiling is None:
-            upper = keys.prefix_upper_bound(prefix)
-            top = next(self._db.keys(start=prefix, stop=upper, reverse=True), None)
+            top = next(self._db.keys(prefix=prefix, reverse=True), None)
             ceiling = prefix if top is None else top + b"\x00"
             self._due_ceilings[zone] = ceiling
         return ceiling
-
-    def _due_raised(self, zone: str, due_key: bytes) -> Callable[[], None]:
-        """The effect of a due key landing: the zone's ceiling (``_due_ceiling``) lies above
-        it.  On landing, not staging: a scan reads the disk, so a key staged but not yet
-        written is not passed over when the ceiling is lowered after a scan."""
-
-        def effect() -> None:
-            ceiling = self._due_ceilings.get(zone)
-            if ceiling is not None and due_key >= ceiling:
-                self._due_ceilings[zone] = due_key + b"\x00"
-
-        return effect
 
     def next_due(self, zone: str) -> int | None:
         """When the zone's earliest deferred recipient is due (ms), or None."""
