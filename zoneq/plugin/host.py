@@ -24,7 +24,6 @@ deferral at send time.  ``notify`` (outcome hooks) never raises.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 from collections.abc import Collection
@@ -195,21 +194,18 @@ async def _run(hook: Hook, entry: _Registered, args: object) -> object:
         detail = f"{threads.stuck} calls still running past their time limit"
         raise PluginFailure(entry.plugin, hook, Fault.STUCK, detail)
     loop = asyncio.get_running_loop()
-    begun: asyncio.Future[float] = loop.create_future()
-
-    def started() -> None:  # on the plugin's thread, just before the handler runs
-        # loop.time() is time.monotonic(), safe from any thread.
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-            loop.call_soon_threadsafe(_settle, begun, loop.time())
-
-    future = threads.submit(handler, args, started=started)
+    begun: list[float] = []  # the handler's start, appended on the plugin's thread
+    # loop.time() is time.monotonic(), safe from any thread.
+    future = threads.submit(handler, args, started=lambda: begun.append(loop.time()))
+    answer = asyncio.wrap_future(future)
     try:
         # The time limit is the handler's: measured from when it starts running, so a
         # burst of calls queued for the plugin's threads is not blamed as hangs.  The wait
         # for a thread has a bound of its own (the same figure) and a truthful fault.
         try:
             async with asyncio.timeout(entry.timeout_s):
-                start = await asyncio.shield(begun)
+                result = await asyncio.shield(answer)
+            start = begun[0]
         except TimeoutError:
             if future.cancel():  # still queued: it never runs
                 detail = (
@@ -217,20 +213,16 @@ async def _run(hook: Hook, entry: _Registered, args: object) -> object:
                     f"{entry.timeout_s:g}s (the call never ran)"
                 )
                 raise PluginFailure(entry.plugin, hook, Fault.BUSY, detail) from None
-            start = begun.result() if begun.done() else loop.time()  # just started
-        async with asyncio.timeout_at(start + entry.timeout_s):
-            result = await asyncio.wrap_future(future)
-            if inspect.isawaitable(result):  # a plain callable that returned a coroutine
+            start = begun[0] if begun else loop.time()  # just started
+            async with asyncio.timeout_at(start + entry.timeout_s):
+                result = await answer
+        if inspect.isawaitable(result):  # a plain callable that returned a coroutine
+            async with asyncio.timeout_at(start + entry.timeout_s):
                 result = await result
     except (asyncio.CancelledError, TimeoutError):  # the limit (or the caller) gave up
         threads.abandoned(future)  # nothing to do if it never ran or has returned
         raise
     return result
-
-
-def _settle(begun: asyncio.Future[float], when: float) -> None:
-    if not begun.done():
-        begun.set_result(when)
 
 
 def _decision(result: object, plugin: str, headers: tuple[bytes, ...]) -> HookResult:
