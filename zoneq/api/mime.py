@@ -146,7 +146,7 @@ class _Checked(EmailPolicy):
         ``value`` holds.  A display name with specials (``,`` ``;`` ``(`` ``"`` ``.``...)
         must stay a quoted-string (RFC 5322 3.2.4, 3.4): folded without its quotes, a
         ``"Doe, John" <j@x>`` is read as the two mailboxes ``Doe`` and ``John <j@x>``."""
-        if not isinstance(value, AddressHeader):
+        if not isinstance(value, AddressHeader) or b"\r\n" not in folded[:-2]:
             return False
         text = _UNFOLD.sub(b"", folded.removesuffix(b"\r\n")).partition(b":")[2]
         try:
