@@ -44,7 +44,7 @@ from zoneq.plugin import (
     OptionError,
     PluginApp,
     SenderHeadersArgs,
-    normal_domain,
+    bare_domain,
 )
 
 # RFC 6376 section 5.4.1 lists these as the fields a signer should cover; From is required.
@@ -104,7 +104,7 @@ class Signer:
         self.keys: dict[str, tuple[bytes, bytes]] = {}
         faults: list[OptionError] = []
         for domain, key in options.domains.items():
-            name = _normal(domain)
+            name = bare_domain(domain)
             where = ("domains", domain, "key_file")
             try:
                 entry = (key.selector.encode(), key.key_file.read_bytes())
@@ -145,16 +145,9 @@ class Signer:
         return signature
 
 
-def _normal(domain: str) -> str:
-    """The A-label form, lower-case, without the root's dot: how keys are looked up, and
-    the ``d=`` a signature carries (RFC 6376 section 3.5 allows only ASCII there; RFC 8616
-    section 4 has a signer use the A-labels of an internationalised domain)."""
-    return normal_domain(domain).rstrip(".")
-
-
 def _domain(address: str) -> str | None:
     _local, at, domain = address.rpartition("@")
-    return _normal(domain) if at and domain else None
+    return bare_domain(domain) if at and domain else None
 
 
 def _from_domains(headers: bytes) -> list[str | None]:

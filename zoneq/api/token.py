@@ -74,13 +74,13 @@ def token_warning(config: Config) -> str | None:
 def find_token(config: Config) -> str | None:
     """The configured token, or the generated one if it exists; None if there is none yet.
     The one read of the token that serve, check-config and the commands all use."""
-    api = config.api
-    if api.token is not None:
-        return api.token
-    if api.token_file is not None:
-        return _read(Path(api.token_file), "api.token_file")
-    path = default_token_path(config)
-    return _read(path, "api.token") if path.exists() else None
+    where = token_path(config)
+    if where is None:
+        return config.api.token
+    path, key = where
+    if config.api.token_file is None and not path.exists():
+        return None
+    return _read(path, key)
 
 
 def ensure_token(config: Config) -> str:

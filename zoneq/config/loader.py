@@ -73,6 +73,7 @@ class InvalidConfig(ConfigError):
         self.args = ("\n".join(str(p) for p in problems),)
         self.problems: tuple[Problem, ...] = tuple(problems)
         self.source = source
+        self.model: Config | None = None  # the model, when only later checks failed
 
     # Exceptions are rebuilt from ``args`` when unpickled (as when a worker process reports
     # one to its parent), and ``args`` here is the joined message, not our parameters.
@@ -131,7 +132,9 @@ def validate_config(data: Mapping[str, Any], source: str = "<data>") -> Config:
         raise InvalidConfig(problems_from(exc), source) from None
     problems = [*_pool_problems(config), *_plugin_problems(config)]
     if problems:
-        raise InvalidConfig(problems, source)
+        refused = InvalidConfig(problems, source)
+        refused.model = config  # check-config runs the plugins' init on it
+        raise refused
     return config
 
 

@@ -23,7 +23,7 @@ from zoneq.plugin.hooks import (
     Session,
 )
 from zoneq.plugin.host import HookResult, PluginHost
-from zoneq.protocol.domains import normal_domain
+from zoneq.protocol.domains import bare_domain, normal_domain
 from zoneq.protocol.replies import EnhancedStatus, Reply
 
 __all__ = [
@@ -49,5 +49,6 @@ __all__ = [
     "RouteArgs",
     "SenderHeadersArgs",
     "Session",
+    "bare_domain",
     "normal_domain",
 ]

@@ -21,16 +21,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import tomllib
 from collections.abc import Collection, Iterable
 from pathlib import Path
-
-from pydantic import ValidationError
 
 from zoneq.config.loader import (
     InvalidConfig,
     Problem,
-    default_config_text,
     dotted_key,
     load_config,
     load_plugin,
@@ -100,24 +96,14 @@ def config_problems(path: Path | None) -> tuple[list[str], Config | None]:
         config = load_config(path)
     except InvalidConfig as exc:
         reported = list(exc.problems)
+        model = exc.model
     except ConfigError as exc:  # no file, not UTF-8: nothing more to check
         return [str(exc)], None
     else:
         return [str(p) for p in plugin_problems(config)], config
-    model = _model_alone(path)
     if model is not None:  # None: the model itself is at fault, no plugin was loaded
         reported += plugin_problems(model, skip=_named_plugins(model, reported))
     return [str(p) for p in reported], None
-
-
-def _model_alone(path: Path | None) -> Config | None:
-    """The config at ``path`` validated by the model only (no pool or plugin checks); None
-    if the loader's read, TOML or model checks fail, which it has just reported."""
-    try:
-        text = default_config_text() if path is None else path.read_text(encoding="utf-8")
-        return Config.model_validate(tomllib.loads(text))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ValidationError):
-        return None
 
 
 def _named_plugins(config: Config, problems: Iterable[Problem]) -> set[str]:
