@@ -81,16 +81,15 @@ async def _queue(
         if exc.transient:
             return error_response(503, str(exc), {"Retry-After": RETRY_AFTER_S})
         return error_response(422, str(exc))
-    except PluginFailure as exc:
-        # Ours and temporary, like SMTP's 451 4.3.0; the details are for the log only.
+    except (PluginFailure, RoutingTooSlow) as exc:
+        # Ours and temporary, like SMTP's 451 4.3.0; the details are for the log only.  A
+        # routing deadline means no plugin hung, but there were too many recipients for
+        # it: as temporary, and not the storage fault the generic 503 names.
         log.error("%s %s: %s", request.method, request.path, exc)
-        text = "a routing plugin failed (local, temporary): nothing was stored, try again later"
-        return error_response(503, text, {"Retry-After": RETRY_AFTER_S})
-    except RoutingTooSlow as exc:
-        # No plugin hung, there were too many recipients for the routing deadline: as
-        # temporary as a plugin's failure, and not the storage fault the generic 503 names.
-        log.error("%s %s: %s", request.method, request.path, exc)
-        text = "routing the recipients took too long (local, temporary): nothing was stored"
+        if isinstance(exc, RoutingTooSlow):
+            text = "routing the recipients took too long (local, temporary): nothing was stored"
+        else:
+            text = "a routing plugin failed (local, temporary): nothing was stored, try again later"
         return error_response(503, text, {"Retry-After": RETRY_AFTER_S})
     return _created(receipt)
 
