@@ -153,8 +153,8 @@ class _Checked(EmailPolicy):
             # UTF-8 only with UTF8_POLICY (RFC 6532); kept as surrogates where it is not.
             read = self.header_factory(name, text.decode("utf-8", "surrogateescape").lstrip())
         # The package's parser can fail inside its own code on what it wrote unquoted (a
-        # ``(`` left open): not read back as given either.
-        except (HeaderParseError, ValueError, IndexError, AttributeError):
+        # ``(`` left open, a ``:`` read as a group's): not read back as given either.
+        except (HeaderParseError, ValueError, IndexError, AttributeError, TypeError):
             return True
         return not isinstance(read, AddressHeader) or read.groups != value.groups
 
