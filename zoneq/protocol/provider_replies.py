@@ -27,6 +27,19 @@ __all__ = ["PROVIDER_RULES"]
 _SLOW = ReplyAction.SLOW_DOWN
 _BLOCKED = ReplyAction.BLOCKED
 
+# The block-list words also name lists that say nothing about our sending address, where
+# resting it and deferring would only turn a bounce into days of retries.  Rules see the
+# one-line form ("550 5.1.1 text"), so the start of a pattern can read the status:
+# * an X.1.x status is about an address, X.6.x about the content (RFC 3463 sections 3.2
+#   and 3.7): Domino's "550 5.1.1 User not listed in public Name & Address Book", "554
+#   5.6.0 attachment type on our block list";
+# * lists of what a message holds (SURBL, URIBL and Spamhaus's DBL list domains found in
+#   bodies; "URL listed"; attachment block lists), whichever status comes with them.
+_SENDER_LISTED: Final = (
+    r"^(?![0-9]{3} [45]\.[16]\.)"
+    r"(?!.*(?:\b(?:SURBL|URIBL|DBL)\b|\bUR[LI]s? (?:is |are )?listed|\battachment))"
+)
+
 PROVIDER_RULES: Final[tuple[ReplyRule, ...]] = (
     # --- Gmail: Google Workspace Admin Help, "SMTP error reference" (answer 3726730) -----
     # "421, 4.7.28 Gmail has detected an unusual rate of unsolicited mail originating from
@@ -63,8 +76,16 @@ PROVIDER_RULES: Final[tuple[ReplyRule, ...]] = (
     # messages can be sent per hour and per day."  RP-002 and RP-003 likewise.
     ReplyRule.make(r"\bRP-00[1-9]\b|limits for how many messages", _SLOW, "rate_limited"),
     # Exchange Online NDR reference: "451 4.7.500-699 (ASxxx) ... Server busy, please try
-    # again later" — throttling of a new or suspicious sending address.
-    ReplyRule.make(r"server busy|try again later", _SLOW, "rate_limited", enhanced="4.7"),
+    # again later" — throttling of a new or suspicious sending address.  Only Microsoft's
+    # own markers: "try again later" alone is every greylister's text (rspamd's and
+    # Postfix policy servers' "451 4.7.1 Try again later"), which wants a plain retry
+    # (RFC 5321 section 4.2.1, 4yz), not a slower domain.
+    ReplyRule.make(
+        r"server busy|\(AS[0-9]+\)|^4[0-9]{2} 4\.7\.[56][0-9]{2}\b",
+        _SLOW,
+        "rate_limited",
+        enhanced="4.7",
+    ),
     # "550 5.7.1 Unfortunately, messages from [192.0.2.1] weren't sent. Please contact your
     # Internet service provider since part of their network is on our block list (S3150)."
     # "550 5.7.708 Service unavailable. Access denied, traffic not accepted from this IP."
@@ -74,10 +95,12 @@ PROVIDER_RULES: Final[tuple[ReplyRule, ...]] = (
     # --- Block lists, whoever runs the receiving server ------------------------------------
     # Postfix's default_rbl_reply (postconf(5)): "554 5.7.1 Service unavailable; Client host
     # [192.0.2.1] blocked using zen.spamhaus.org"; others say "listed at/in/on <list>",
-    # "on our block list" (Microsoft, above), "blacklisted".
+    # "on our block list" (Microsoft, above), "blacklisted".  Only a list of sending
+    # addresses is our address's problem; see _SENDER_LISTED for what is left out.
     ReplyRule.make(
-        r"blocked using|spamhaus|\blisted (?:at|in|on|by)\b|block ?list|black ?list|\bRBL\b"
-        r"|\bDNSBL\b",
+        _SENDER_LISTED
+        + r".*?(?:blocked using|spamhaus|(?<!not )(?<!n't )\blisted (?:at|in|on|by)\b"
+        r"|block ?list|black ?list|\bRBL\b|\bDNSBL\b)",
         _BLOCKED,
         "blocklisted",
     ),
