@@ -801,7 +801,19 @@ class QueueService:
         """Complete one recipient of a report's group: the first whose completion is written
         carries the group's "relayed" notice (``_SharedNotice``), in the same batch."""
         notice = shared.claim(self._store, lease) if shared is not None else None
-        await self._store.complete(lease, now, outcome, notice=notice)
+        await self._complete(lease, now, outcome, notice)
+
+    async def _complete(
+        self, lease: Lease, now: int, outcome: Outcome, notice: Notice | None = None
+    ) -> None:
+        """Complete a delivered recipient.  One an administrator deleted while it was on the
+        wire is refused (``LeaseError``), but the remote has it all the same: the store
+        records its delivery next to the delete (``delivered_after_drop``)."""
+        try:
+            await self._store.complete(lease, now, outcome, notice=notice)
+        except LeaseError:
+            await self._store.delivered_after_drop(lease, now, outcome)
+            raise
 
     def _bounce(
         self, msg_id: int, group: list[tuple[int, Lease, Failure, Outcome, bool]], now: int
@@ -979,7 +991,7 @@ class QueueService:
         if item.result is Result.DELIVERED:
             if item.relayed:
                 return None  # completed with its "relayed" notice (``_relay``)
-            return self._store.complete(lease, now, outcome)
+            return self._complete(lease, now, outcome)
         if item.result is Result.RETURNED:
             return _release(self._store, lease)
         return None

@@ -166,6 +166,35 @@ class AdminMixin(StoreBase):
         await self._writer.submit(ops, sync=False)
         return dropped
 
+    async def delivered_after_drop(self, lease: Lease, now_ms: int, outcome: Outcome) -> bool:
+        """Record a delivery reported for a recipient deleted while it was on the wire; True
+        if it was recorded, False if ``lease`` was refused for another reason.
+
+        The delete (``drop``, or a purge: ``drop_many``) revoked the lease and wrote the
+        DROPPED event, and the report is refused; but the remote took responsibility for
+        the message with its 2xx after the final dot (RFC 5321 section 6.1), so the
+        delivery happened all the same, and the log, the delivered totals and the export
+        must say so (Postfix's delivery agent, too, logs status=sent for a message
+        ``postsuper -d`` deleted from the active queue).  Only its DELIVERED event is
+        written: the record stays gone, and the delete has already settled the counters
+        and the message's head.  A lease still held, or whose record is still there, was
+        not revoked by a delete: nothing is written for it.
+        """
+        self._check()
+        if self.holds(lease) or self._writer.read(lease.key) is not None:
+            return False
+        record = lease.recipient.after_attempt(now_ms, outcome.reply)
+        log.info(
+            "message %s: %s, deleted while on the wire, was delivered via %s (%s)",
+            format_id(record.msg_id),
+            record.address,
+            outcome.mx or "?",
+            outcome.reply,
+        )
+        event = self._outcome_event(EventKind.DELIVERED, record, now_ms, outcome)
+        await self._writer.submit([event], sync=False)
+        return True
+
     def drop_orphans(self, msg_id: int, leases: Sequence[Lease], now_ms: int) -> int:
         """Remove leased records of a message that is gone, each with a DROPPED event; how
         many (0 if the message is there after all, or the store cannot write now).

@@ -448,7 +448,9 @@ class StoreBase:
     def _remove_key(self, key: bytes, state: State, record: Recipient | None) -> list[Op]:
         """Writes removing one record, from its key alone if its value cannot be read."""
         _, zone, msg_id, address = keys.decode_record(key)
-        self._leases.pop(key, None)  # revoked: the worker's report will be refused
+        # Revoked: the worker's report will be refused (a delivery it reports is still
+        # recorded, as an event only: ``AdminMixin.delivered_after_drop``).
+        self._leases.pop(key, None)
         ops: list[Op] = [(key, None)]
         if state is State.READY and self._hold_marks:
             # A leased one's hold on return goes with it, here where every removal passes
