@@ -18,7 +18,9 @@ plugin's limit, well inside any SMTP client's command timeouts (RFC 5321 section
 
 Isolation (issue 5): whatever a handler does, ``call`` either returns a ``HookResult`` or
 raises ``PluginFailure``; the callers turn that into 451 4.3.0 at receive time and a logged
-deferral at send time.  ``notify`` (outcome hooks) never raises.
+deferral at send time.  ``notify`` (outcome hooks) never raises.  "Whatever" includes any
+``BaseException`` (``KeyboardInterrupt``, ``SystemExit``, a stray ``CancelledError``); only
+the caller's own cancellation passes through.
 """
 
 from __future__ import annotations
@@ -154,8 +156,14 @@ class PluginHost:
             ) from None
         except PluginFailure:
             raise
-        # SystemExit too: a plugin calling sys.exit() must not stop the server.
-        except (Exception, SystemExit) as exc:
+        # BaseException, not Exception (issue 5): raised from a handler, SystemExit or
+        # KeyboardInterrupt would reach the event loop and stop the whole server, and a
+        # CancelledError or a bare BaseException would end the client's session with no
+        # reply.  What is not the handler's own is passed on: the caller's cancellation
+        # and the close of this coroutine (GeneratorExit).
+        except BaseException as exc:
+            if isinstance(exc, GeneratorExit) or _caller_cancelled(exc):
+                raise
             detail = f"{type(exc).__name__}: {exc}"
             raise PluginFailure(entry.plugin, hook, Fault.RAISED, detail) from exc
         problem = self._check(hook, result)
@@ -178,6 +186,17 @@ class PluginHost:
         if isinstance(result, str) and result not in self.zones:
             return f"routed to zone {result!r}, which is not defined in [zones]"
         return None
+
+
+def _caller_cancelled(exc: BaseException) -> bool:
+    """Whether ``exc`` is the calling task's own cancellation (``Task.cancel``, a timeout
+    around the call, a session or the server closing), which must reach the caller, rather
+    than a ``CancelledError`` a handler raised that nobody asked for."""
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    task = asyncio.current_task()
+    # Python 3.11: cancelling() counts the cancel() requests not yet uncancelled.
+    return task is not None and task.cancelling() > 0
 
 
 async def _run(hook: Hook, entry: _Registered, args: object) -> object:
