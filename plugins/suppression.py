@@ -21,7 +21,8 @@ interoperability and is discouraged"; no large mailbox provider does.  For a sup
 list the costly mistake is mailing someone who complained or unsubscribed, not skipping a
 mailbox that differs only in case, so the whole address is lower-cased (as most sending
 platforms' lists do), and its domain is put in A-labels (a U-label and its A-label are
-one domain).
+one domain).  Other spellings of one mailbox compare as one too: quotes a local part does
+not need (``"eve"@x`` is ``eve@x``) and the root's dot (``eve@x.`` is ``eve@x``).
 
 This module owns the file format: ``load_file``, ``save_file`` and ``normalize`` are what
 zoneq's API (``zoneq suppression ...``) uses to edit the list, so the two cannot disagree.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import threading
 import time
@@ -50,10 +52,17 @@ from zoneq.plugin import (
     PluginApp,
     Reply,
     RouteArgs,
-    normal_domain,
+    bare_domain,
 )
 
 ALL_ZONES = "*"
+
+# RFC 5321 section 4.1.2 Dot-string (RFC 5322 section 3.2.3 atext), with the non-ASCII
+# that RFC 6531 section 3.3 adds to atext for SMTPUTF8 local parts.
+_ATEXT = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~\-\u0080-\U0010ffff]"
+_DOT_ATOM = re.compile(rf"{_ATEXT}+(?:\.{_ATEXT}+)*")
+# RFC 5321 section 4.1.2 quoted-pairSMTP: a backslash and the character it quotes.
+_QUOTED_PAIR = re.compile(r"\\(.)")
 
 # RFC 3463 section 3.2: X.1.1 "bad destination mailbox address" is what senders' list
 # software understands as "remove this address".
@@ -73,9 +82,26 @@ class Options(BaseModel):
 def normalize(address: str) -> str:
     """The form an address is stored and compared in (see the module's docstring): lower
     case, and the domain as the queue keys it (A-labels), so suppressing
-    ``bob@bücher.example`` suppresses ``bob@xn--bcher-kva.example`` too, and back."""
+    ``bob@bücher.example`` suppresses ``bob@xn--bcher-kva.example`` too, and back.
+
+    Spellings of one mailbox compare as one, or a client could slip past the list by
+    respelling it: a quoted local part in its least quoted form (``normal_local``), and
+    the domain without the root's dot (``example.org.`` is ``example.org``)."""
     local, at, domain = address.rpartition("@")
-    return f"{local.lower()}@{normal_domain(domain)}" if at else address.lower()
+    return f"{normal_local(local).lower()}@{bare_domain(domain)}" if at else address.lower()
+
+
+def normal_local(local: str) -> str:
+    """A local part in its least quoted form.  RFC 5322 section 3.2.4: a quoted-string is
+    "identical to atom, semantically", so ``"eve"`` and ``"\\e\\ve"`` are ``eve``; one that
+    needs its quotes keeps them, with only ``"`` and ``\\`` escaped (the only characters
+    RFC 5321 section 4.1.2's qtextSMTP leaves out), so ``"a\\ b"`` is ``"a b"``."""
+    if len(local) < 2 or local[0] != '"' or local[-1] != '"':
+        return local
+    content = _QUOTED_PAIR.sub(r"\1", local[1:-1])
+    if _DOT_ATOM.fullmatch(content):
+        return content
+    return '"' + content.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def parse(text: str, where: Path) -> dict[str, frozenset[str]]:
