@@ -22,7 +22,8 @@ goes out unsigned, with a warning in the log.  Not deferred: its size will not c
 retrying could only end in a bounce days later, whereas unsigned mail is still delivered
 (how receivers treat it is the domain's DMARC policy's call).  An administrator who wants
 such mail refused sets ``receiver.max_message_size`` at or below ``max_size``, and it is
-refused at DATA (552) before it is ever accepted.
+refused at DATA (552) before it is ever accepted.  A message dkimpy cannot parse (a
+header line without a colon) goes out unsigned too, with a warning, for the same reason.
 """
 
 from __future__ import annotations
@@ -191,7 +192,21 @@ def init(app: PluginApp) -> None:
                 options.max_size,
             )
             return None
-        # Hashing and RSA take milliseconds per megabyte: off the worker's event loop.
-        return AddHeaders((await app.to_thread(signer.sign, message, domain),))
+        try:
+            # Hashing and RSA take milliseconds per megabyte: off the worker's event loop.
+            signature = await app.to_thread(signer.sign, message, domain)
+        except dkimpy.DKIMException as exc:
+            # The key signed at start-up, so this is the message: a header section dkimpy
+            # cannot parse (a line without a colon, against RFC 5322 section 2.2).  As with
+            # max_size, it will not change: failing the hook would defer it at every
+            # attempt and bounce it at max_age, so it goes out unsigned.
+            app.log.warning(
+                "message %s to %s cannot be signed (%s): sent without a DKIM signature",
+                args.message_id,
+                args.domain,
+                exc,
+            )
+            return None
+        return AddHeaders((signature,))
 
     app.add_hook(Hook.SENDER_HEADERS, sign)

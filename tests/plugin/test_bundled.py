@@ -309,3 +309,22 @@ def test_dkim_signs_off_the_event_loop_on_the_plugins_threads(
     result = asyncio.run(host.call(Hook.SENDER_HEADERS, sender_args(MESSAGE)))
     assert result.headers[0].startswith(b"DKIM-Signature:")
     assert len(seen) == 1 and seen[0].startswith("plugin-dkim-")
+
+
+def test_dkim_message_dkimpy_cannot_parse_goes_out_unsigned_with_a_warning(
+    tmp_path: Path, rsa_key: tuple[bytes, bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A header line without a colon makes dkimpy refuse the message; like an oversized
+    one it is sent unsigned, not failed (a 451 at every attempt, then a bounce)."""
+    private, _ = rsa_key
+    host = dkim_host(tmp_path, private)
+    broken = MESSAGE.replace(b"Subject: Hello\r\n", b"Subject: Hello\r\nno colon here\r\n")
+    with caplog.at_level("WARNING", logger="zoneq.plugin.dkim"):
+        result = asyncio.run(host.call(Hook.SENDER_HEADERS, sender_args(broken)))
+    assert result.headers == ()
+    [record] = [r for r in caplog.records if r.name == "zoneq.plugin.dkim"]
+    assert "m1 to dst.test cannot be signed" in record.getMessage()
+    assert "without a DKIM signature" in record.getMessage()
+    # The same host still signs a well-formed message.
+    signed = asyncio.run(host.call(Hook.SENDER_HEADERS, sender_args(MESSAGE)))
+    assert signed.headers[0].startswith(b"DKIM-Signature:")
