@@ -28,16 +28,17 @@ header line without a colon) goes out unsigned too, with a warning, for the same
 
 from __future__ import annotations
 
+import re
 from email.parser import HeaderParser
 from email.policy import compat32
 from email.utils import getaddresses
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 # This file is plugins/dkim.py, loaded by path under another module name, so "dkim" here
 # is the dkimpy package and not this file.
 import dkim as dkimpy
-from pydantic import BaseModel, ByteSize, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ByteSize, ConfigDict, Field, field_validator
 
 from zoneq.plugin import (
     AddHeaders,
@@ -78,11 +79,27 @@ class DomainKey(BaseModel):
     key_file: Path
 
 
+# RFC 5322 section 3.6.8: a field name is printable US-ASCII (33 to 126) except the colon.
+_FIELD_NAME = re.compile(r"[!-9;-~]+")
+
+
+def _field_name(name: str) -> str:
+    if not _FIELD_NAME.fullmatch(name):
+        raise ValueError(
+            f"{name!r} is not a header field name: printable ASCII other than the colon, "
+            "no spaces (RFC 5322 section 3.6.8)"
+        )
+    return name
+
+
+FieldName = Annotated[str, AfterValidator(_field_name)]
+
+
 class Options(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     domains: dict[str, DomainKey]
-    headers: list[str] = Field(default_factory=lambda: list(DEFAULT_HEADERS))
+    headers: list[FieldName] = Field(default_factory=lambda: list(DEFAULT_HEADERS))
     # relaxed/relaxed survives the header refolding and whitespace changes relays make.
     canonicalization: Literal["relaxed/relaxed", "relaxed/simple", "simple/simple"] = (
         "relaxed/relaxed"
@@ -92,6 +109,15 @@ class Options(BaseModel):
     max_size: ByteSize = Field(default=ByteSize(25 << 20), gt=0)
     """Largest message (header and body) to sign, in bytes or as "25MiB"; a larger one goes
     out unsigned."""
+
+    @field_validator("headers")
+    @classmethod
+    def _signs_from(cls, headers: list[str]) -> list[str]:
+        # RFC 6376 section 5.4: From MUST be signed.  Checked here so that the error names
+        # this option, not the key that dkimpy's start-up probe would otherwise blame.
+        if "from" not in (name.lower() for name in headers):
+            raise ValueError("must include From (RFC 6376 section 5.4)")
+        return headers
 
 
 class Signer:

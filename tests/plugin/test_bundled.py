@@ -328,3 +328,41 @@ def test_dkim_message_dkimpy_cannot_parse_goes_out_unsigned_with_a_warning(
     # The same host still signs a well-formed message.
     signed = asyncio.run(host.call(Hook.SENDER_HEADERS, sender_args(MESSAGE)))
     assert signed.headers[0].startswith(b"DKIM-Signature:")
+
+
+@pytest.mark.parametrize(
+    ("headers", "key", "words"),
+    [
+        (["Subject", "To"], "plugins.dkim.options.headers", "must include From"),
+        ([], "plugins.dkim.options.headers", "must include From"),
+        (["From", "Bad Name"], "plugins.dkim.options.headers[1]", "not a header field name"),
+        (["From", "To:"], "plugins.dkim.options.headers[1]", "not a header field name"),
+        (["From", ""], "plugins.dkim.options.headers[1]", "not a header field name"),
+        (["From", "X-Grüße"], "plugins.dkim.options.headers[1]", "not a header field name"),
+    ],
+)
+def test_dkim_bad_headers_option_names_its_key(headers: list[str], key: str, words: str) -> None:
+    """RFC 6376 section 5.4 (From is signed) and RFC 5322 section 3.6.8 (field names),
+    reported against ``headers`` rather than as a problem with the key file."""
+    options = {"domains": {"shop.example": {"selector": "s1", "key_file": "x"}}, "headers": headers}
+    with pytest.raises(InvalidConfig) as info:
+        config_with({"dkim": {"module": BUNDLED / "dkim.py", "options": options}})
+    problems = {p.key: p.text for p in info.value.problems}
+    assert list(problems) == [key]
+    assert words in problems[key]
+
+
+def test_dkim_headers_option_in_any_case_signs_those_fields(
+    tmp_path: Path, rsa_key: tuple[bytes, bytes]
+) -> None:
+    private, _ = rsa_key
+    key_file = tmp_path / "dkim.pem"
+    key_file.write_bytes(private)
+    options = {
+        "domains": {"shop.example": {"selector": "s1", "key_file": str(key_file)}},
+        "headers": ["from", "Subject"],
+    }
+    host = host_with({"dkim": {"module": BUNDLED / "dkim.py", "options": options}})
+    result = asyncio.run(host.call(Hook.SENDER_HEADERS, sender_args(MESSAGE)))
+    tags = {t.strip().partition(b"=")[0]: t.strip() for t in result.headers[0].split(b";")}
+    assert b"".join(tags[b"h"].split()).lower() == b"h=from:subject"
