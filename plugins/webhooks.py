@@ -96,6 +96,9 @@ class WebhookSender:
         self.options = options
         self.log = log
         self.waiting: collections.deque[tuple[str, bytes]] = collections.deque()
+        # The event being POSTed or waiting out a retry's back-off: no longer in
+        # ``waiting``, not yet sent nor given up.
+        self.in_flight: tuple[str, bytes] | None = None
         self.dropped = 0
         self.given_up = 0
         self.sent = 0
@@ -129,8 +132,10 @@ class WebhookSender:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                event_id, body = self.waiting.popleft()
-                await self._deliver(session, event_id, body)
+                self.in_flight = self.waiting.popleft()
+                await self._deliver(session, *self.in_flight)
+                # Not in a finally: an event cut short by close() stays counted as unsent.
+                self.in_flight = None
 
     async def _deliver(self, session: aiohttp.ClientSession, event_id: str, body: bytes) -> None:
         delay = self.options.backoff
@@ -169,21 +174,26 @@ class WebhookSender:
         except aiohttp.ClientError as exc:
             return f"{type(exc).__name__}: {exc}"
 
+    def unsent(self) -> int:
+        """Events neither sent nor given up: those waiting and the one in flight."""
+        return len(self.waiting) + (self.in_flight is not None)
+
     async def close(self) -> None:
-        """At stop: a short grace (one ``timeout``) to send what waits, then give up."""
+        """At stop: a short grace (one ``timeout``) to send what waits and the event in
+        flight (its POST or its retry back-off), then give up on the rest."""
         task = self._task
         if task is not None and not task.done():
             deadline = asyncio.get_running_loop().time() + self.options.timeout
-            while self.waiting and asyncio.get_running_loop().time() < deadline:
+            while self.unsent() and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self.waiting or self.dropped or self.given_up:
+        if self.unsent() or self.dropped or self.given_up:
             self.log.warning(
                 "webhooks stopping: %d sent, %d unsent, %d dropped (backlog full), %d given up",
                 self.sent,
-                len(self.waiting),
+                self.unsent(),
                 self.dropped,
                 self.given_up,
             )

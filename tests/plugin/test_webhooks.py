@@ -243,3 +243,36 @@ def test_an_unknown_event_stops_start_up() -> None:
         webhook_host("127.0.0.1", 9, events=["delivered", "opened"])
     assert info.value.key == "plugins.webhooks.options.events"
     assert "opened" in info.value.problem
+
+
+def test_close_waits_for_the_event_in_its_retry_back_off() -> None:
+    """The event being retried has left the queue; stopping in its back-off still lets it
+    be sent within the grace rather than cancelling it unseen."""
+
+    async def main() -> Receiver:
+        receiver = Receiver(fail=1)
+        address = loopback()
+        async with serving(receiver, *address):
+            host = webhook_host(*address, timeout=2.0, backoff=0.3)
+            await tell(host, 1)
+            await until(lambda: receiver.posts == 1)  # refused once: now in its back-off
+            await host.close()
+        return receiver
+
+    receiver = asyncio.run(main())
+    assert [e["recipient"] for e in receiver.accepted] == ["r0@dst.test"]
+    assert receiver.posts == 2
+
+
+def test_close_counts_the_event_in_flight_as_unsent(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        host = webhook_host(*loopback(), retries=1000)  # nothing listens: refused, retried
+        await tell(host, 1)
+        await asyncio.sleep(0.2)
+        await host.close()  # past the 0.5 s grace: given up at stop, and said so
+
+    with caplog.at_level(logging.WARNING, logger="zoneq.plugin.webhooks"):
+        asyncio.run(main())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "0 sent, 1 unsent" in warnings[0]
