@@ -88,7 +88,7 @@ class Run:
     exit_code: int | None  # of the core, on SIGTERM after the fault
     settled: bool
     audit: Audit
-    logged: Counter[str]
+    logged: Counter[tuple[str, str]]
     state: QueueState
 
 

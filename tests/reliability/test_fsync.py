@@ -157,7 +157,7 @@ class Run:
     workers_restarted: bool
     exit_code: int | None  # of the core, on SIGTERM after the faults
     audit: Audit
-    logged: Counter[str]
+    logged: Counter[tuple[str, str]]
     state: QueueState
 
 

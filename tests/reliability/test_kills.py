@@ -135,11 +135,10 @@ def test_sigkill_during_receive_delivery_and_bounces_loses_nothing(tmp_path: Pat
             last.cleanup()
         dumps.scan(bed.sink)
     state = inspect_queue(config)
-    result = audit(ledger, dumps)
+    result = audit(ledger, dumps, may_bounce=("bad.test",))
     logged = logged_duplicates(sorted(tmp_path.glob("serve-*.log")))
 
     delivered_bad = sorted((m, r) for m, r in dumps.delivered() if r.endswith("@bad.test"))
-    bounced_ok = sorted((m, r) for m, r in result.bounces if r.endswith("@ok.test"))
     dsn_duplicates = sum(n - 1 for n in result.bounces.values())
     print(
         f"\nkills: {KILLS} ({moments.count('receive')} while receiving, "
@@ -159,7 +158,6 @@ def test_sigkill_during_receive_delivery_and_bounces_loses_nothing(tmp_path: Pat
     assert not result.problems(), result.problems()
     assert not ledger.refused_5xx, ledger.refused_5xx
     assert not delivered_bad, f"bad.test answers 550, yet: {delivered_bad[:5]}"
-    assert not bounced_ok, f"ok.test accepts, yet bounced: {bounced_ok[:5]}"
     assert not result.unexplained_duplicates(logged), (result.unexplained, logged)
     assert ledger.kills_mid_data() > 0, "no kill cut a message off after its DATA command"
     assert ledger.kills_with_dsns() > 0, f"no kill found a DSN in the queue: {moments}"

@@ -5,7 +5,8 @@ once the 250 came back; an exchange that a fault cut short goes to ``cut`` (it m
 stored or not, never in part), a clean refusal to ``refused`` (4xx) or ``refused_5xx``
 (which a local fault must never cause).  smtp-sink dumps every transaction to a file;
 :class:`Dumps` reads them back as copies per (Message-ID, recipient), and DSNs to the sender
-as bounces per (Message-ID, recipient) they report.  :func:`audit` puts the two side by side.
+as bounces per (Message-ID, recipient) they report failed.  :func:`audit` puts the two side
+by side; a DSN is a correct outcome only for a recipient at a domain whose MX refuses.
 
 Every message names itself on its last body line and its content is known by digest, so a
 copy that arrives damaged or cut is caught as well as one that never arrives.
@@ -15,10 +16,12 @@ the signal (the client transactions under way then, and which of them had sent D
 once the workers are gone, :meth:`Kill.settle` (which pairs that instance of zoneq put at the
 MX while its queue still holds them: delivered, but the kill came before the outcome was
 written).  Each such pair explains one extra copy, per kill; every other extra copy needs a
-possible duplicate the core logged (RFC 1047's window).  A message refused with 4xx that
-reached the MX anyway is a duplicate in waiting (its client sends it again), allowed only
-when it was under way at a kill: RFC 1047's window on the receiving side, where the commit
-may land but the reply is lost or turned into a 4xx.
+possible duplicate the core logged (RFC 1047's window) for that message and recipient: the
+log names the queue id, which a copy's Received field (or a queue read at a kill) ties to
+its Message-ID.  A message refused with 4xx that reached the MX anyway is a duplicate in
+waiting (its client sends it again), allowed only when it was under way at a kill: RFC
+1047's window on the receiving side, where the commit may land but the reply is lost or
+turned into a 4xx.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import re
 import shutil
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -39,13 +42,25 @@ import aiosmtplib
 
 from tests.support.smtpsink import Sink, parse_dump
 from zoneq.errors import NotFound
+from zoneq.protocol.ids import format_id
 from zoneq.storage import keys
 from zoneq.storage.store import QueueStore
 
 SENDER = "sender@src.test"
 CLIENT_TIMEOUT = 10.0
 SIZES = (300, 2_000, 20_000, 70_000, 150_000)  # within one chunk, and across several
-DUPLICATE_LOG = re.compile(r"possible duplicate: \S+ to (\S+) via")
+# The core names the message by its queue id (zoneq/queue/service.py): the recipient address
+# alone would let a duplicate logged for one message excuse an extra copy of another.
+DUPLICATE_LOG = re.compile(r"possible duplicate: ([0-9a-f]{16}) to (\S+) via")
+# The Received field zoneq writes first carries its queue id (zoneq/receiver/message.py),
+# folded anywhere (RFC 5322 section 2.2.3): how a copy at the MX names its queue id.
+RECEIVED_ID = re.compile(rb"^Received: [^\n]* \(zoneq\) with \S+ id ([0-9a-f]{16})", re.MULTILINE)
+FOLD = re.compile(rb"\r?\n[ \t]+")
+# A DSN's per-recipient fields form one block (RFC 3464 section 2.3); only Action "failed"
+# reports a bounce ("delayed" says the message is still queued, section 2.3.3).
+BLOCK_END = re.compile(rb"\r?\n\r?\n")
+FINAL_RECIPIENT = re.compile(rb"^Final-Recipient: *rfc822; *(\S+)", re.MULTILINE | re.IGNORECASE)
+ACTION_FAILED = re.compile(rb"^Action: *failed\b", re.MULTILINE | re.IGNORECASE)
 # Both line ends: smtp-sink dumps LF, the queue stores the message as it came (CRLF).
 MESSAGE_ID = re.compile(rb"^Message-ID: (\S+)\r?$", re.MULTILINE | re.IGNORECASE)
 Pair = tuple[str, str]  # (Message-ID, recipient)
@@ -99,6 +114,7 @@ class Kill:
     # Pairs reported by DSNs the killed queue held (generated, not yet delivered, or
     # delivered without the outcome written): the kill landed during bounce generation.
     dsns_queued: set[Pair] = field(default_factory=set)
+    queue_ids: dict[str, str] = field(default_factory=dict)  # held then: queue id -> Message-ID
 
     def settle(self, seen: Dumps, sink: Sink, data_dir: Path, scratch: Path) -> None:
         """Fill in the deliveries in flight, once the killed core's workers are gone (they
@@ -106,12 +122,13 @@ class Kill:
         kill, the queue read from a copy (``scratch``) so the next start recovers it itself."""
         before_delivered, before_bounced = seen.delivered(), seen.bounces()
         seen.scan(sink)
-        queued, queued_bounces = queued_pairs(data_dir, scratch)
+        queued = queued_pairs(data_dir, scratch)
         grew = {p for p, n in seen.delivered().items() if n > before_delivered[p]}
         grew_bounces = {p for p, n in seen.bounces().items() if n > before_bounced[p]}
-        self.delivering = grew & queued
-        self.bouncing = grew_bounces & queued_bounces
-        self.dsns_queued = queued_bounces
+        self.delivering = grew & queued.pairs
+        self.bouncing = grew_bounces & queued.bounces
+        self.dsns_queued = queued.bounces
+        self.queue_ids = queued.ids
 
 
 @dataclass
@@ -144,6 +161,11 @@ class Ledger:
     def killed_under_way(self) -> set[str]:
         """Every message under way at some kill."""
         return {m for kill in self.kills for m in kill.open}
+
+    def queue_ids(self) -> dict[str, str]:
+        """Queue ids to Message-IDs, as the queues read at the kills held them (a DSN copy
+        carries no Received field of zoneq's: this is how its queue id is known)."""
+        return {q: m for kill in self.kills for q, m in kill.queue_ids.items()}
 
     def expected(self) -> set[tuple[str, str]]:
         """Every (Message-ID, recipient) that got its 250."""
@@ -209,12 +231,9 @@ async def send_until_cut(
             except aiosmtplib.SMTPResponseException as error:
                 if error.code == 421:  # the server is closing: a cut exchange
                     raise
-                note = f"{message_id}: {error.code} {error.message}"
-                if error.code >= 500:
-                    ledger.refused_5xx.append(note)
-                else:
+                if error.code < 500:
                     ledger.refused[message_id] = recipients
-                    ledger.refusals.append(note)
+                note_refusal(ledger, message_id, error)
                 message_id = ""
                 await client.rset()
                 continue
@@ -226,14 +245,25 @@ async def send_until_cut(
             message_id = ""
             if load.pause:
                 await asyncio.sleep(load.pause)
-    except (aiosmtplib.SMTPException, OSError):
+    except (aiosmtplib.SMTPException, OSError) as error:
         if message_id:
             ledger.cut[message_id] = recipients
+        elif isinstance(error, aiosmtplib.SMTPResponseException):
+            # Refused outside a transaction: the greeting (RFC 5321 section 3.1 lets a server
+            # answer 554 instead of 220, or 421 while it closes) or the RSET after a refusal.
+            note_refusal(ledger, "session", error)
     finally:
         ledger.under_way.pop(message_id, None)
         ledger.in_data.discard(message_id)
         client.close()
     return acknowledged
+
+
+def note_refusal(ledger: Ledger, what: str, error: aiosmtplib.SMTPResponseException) -> None:
+    """Note a refusal of ``what`` (a Message-ID, or the session): a 5xx is one a local fault
+    must never cause, a 4xx one the client may meet and sends again."""
+    note = f"{what}: {error.code} {error.message}"
+    (ledger.refused_5xx if error.code >= 500 else ledger.refusals).append(note)
 
 
 async def until_data(ledger: Ledger, *, wanted: bool, timeout: float = 3.0) -> None:
@@ -290,6 +320,7 @@ class Copy:
     recipients: list[str]
     digest: str  # of the content after the Received field zoneq added
     bounce_of: list[tuple[str, str]]  # (Message-ID, recipient) a DSN reports
+    queue_id: str = ""  # zoneq's, from its Received field ("" for a DSN: zoneq wrote it)
 
 
 @dataclass
@@ -332,6 +363,14 @@ class Dumps:
     def bounced(self) -> set[tuple[str, str]]:
         return set(self.bounces())
 
+    def queue_ids(self) -> dict[str, str]:
+        """Queue ids to Message-IDs, from the copies' Received fields."""
+        return {c.queue_id: c.message_id for c in self.copies.values() if c.queue_id}
+
+    def dsn_reports(self) -> dict[str, list[Pair]]:
+        """The pairs each DSN (by its own Message-ID) reports."""
+        return {c.message_id: c.bounce_of for c in self.copies.values() if c.bounce_of}
+
 
 def parse_copy(data: bytes) -> Copy:
     dump = parse_dump(data)
@@ -344,7 +383,7 @@ def parse_copy(data: bytes) -> Copy:
     start = content.find(f"\nFrom: {SENDER}\n".encode())
     digest = hashlib.sha256(content[start + 1 :]).hexdigest() if start >= 0 else ""
     bounce_of = reported(content, message_id) if SENDER in recipients else []
-    return Copy(message_id, recipients, digest, bounce_of)
+    return Copy(message_id, recipients, digest, bounce_of, queue_id_of(content))
 
 
 def message_id_of(content: bytes) -> str:
@@ -352,11 +391,22 @@ def message_id_of(content: bytes) -> str:
     return found.group(1).decode() if found else ""
 
 
+def queue_id_of(content: bytes) -> str:
+    """The queue id in the Received field zoneq wrote, "" if there is none."""
+    header = content.split(b"\n\n", 1)[0]
+    found = RECEIVED_ID.search(FOLD.sub(b" ", header))
+    return found.group(1).decode() if found else ""
+
+
 def reported(dsn: bytes, message_id: str) -> list[Pair]:
-    """The (Message-ID, recipient) pairs a DSN reports.  Its returned headers carry the
-    original Message-ID (RFC 3464 section 2); its own pairs with nothing sent."""
+    """The (Message-ID, recipient) pairs a DSN reports failed.  Its returned headers carry
+    the original Message-ID (RFC 3464 section 2); its own pairs with nothing sent."""
     original = re.findall(rb"Message-ID: (<[^>\s]+>)", dsn, re.IGNORECASE)
-    failed = re.findall(rb"Final-Recipient: rfc822; *(\S+)", dsn, re.IGNORECASE)
+    failed = [
+        found.group(1)
+        for block in BLOCK_END.split(dsn)
+        if (found := FINAL_RECIPIENT.search(block)) and ACTION_FAILED.search(block)
+    ]
     return [
         (returned.decode(), r.decode().lower())
         for returned in original
@@ -365,34 +415,42 @@ def reported(dsn: bytes, message_id: str) -> list[Pair]:
     ]
 
 
-def queued_pairs(data_dir: Path, scratch: Path) -> tuple[set[Pair], set[Pair]]:
-    """The (Message-ID, recipient) pairs a stopped zoneq's queue still holds, and those its
-    queued DSNs report.  Read from a copy at ``scratch``: opening the queue recovers it, and
-    that is for the next ``zoneq serve`` to do."""
+@dataclass(frozen=True)
+class Queued:
+    """What a stopped zoneq's queue holds."""
+
+    pairs: set[Pair]  # (Message-ID, recipient) still to deliver
+    bounces: set[Pair]  # the pairs its queued DSNs report
+    ids: dict[str, str]  # queue id -> Message-ID, DSNs included
+
+
+def queued_pairs(data_dir: Path, scratch: Path) -> Queued:
+    """What a stopped zoneq's queue holds, read from a copy at ``scratch``: opening the
+    queue recovers it, and that is for the next ``zoneq serve`` to do."""
     shutil.rmtree(scratch, ignore_errors=True)
     shutil.copytree(data_dir, scratch, ignore=shutil.ignore_patterns("*.sock", "LOCK"))
 
-    async def read() -> tuple[set[Pair], set[Pair]]:
+    async def read() -> Queued:
         store = QueueStore.open(scratch)
         store.recover()
-        pairs: set[Pair] = set()
-        bounces: set[Pair] = set()
+        queued = Queued(set(), set(), {})
         try:
             ids = {keys.decode_message_key(k)[0] for k in store.database.keys(prefix=keys.MESSAGE)}
             for msg_id in sorted(ids):
                 try:
-                    queued = [q.recipient.address.lower() for q in store.recipients(msg_id)]
+                    rcpts = [q.recipient.address.lower() for q in store.recipients(msg_id)]
                 except NotFound:
                     continue  # chunks without a committed head: swept as an orphan
                 head = b"".join(islice(store.body(msg_id), 3))  # headers and DSN fields
                 message_id = message_id_of(head)
-                if SENDER in queued:
-                    bounces.update(reported(head, message_id))
-                pairs.update((message_id, r) for r in queued if r != SENDER)
+                queued.ids[format_id(msg_id)] = message_id
+                if SENDER in rcpts:
+                    queued.bounces.update(reported(head, message_id))
+                queued.pairs.update((message_id, r) for r in rcpts if r != SENDER)
         finally:
             await store.close()
         shutil.rmtree(scratch, ignore_errors=True)
-        return pairs, bounces
+        return queued
 
     return asyncio.run(read())
 
@@ -421,12 +479,12 @@ def wait_settled(
     return False
 
 
-def logged_duplicates(logs: Sequence[Path]) -> Counter[str]:
-    """Possible duplicates the core logged (the RFC 1047 window), per recipient address."""
-    count: Counter[str] = Counter()
+def logged_duplicates(logs: Sequence[Path]) -> Counter[tuple[str, str]]:
+    """Possible duplicates the core logged (the RFC 1047 window), per (queue id, recipient)."""
+    count: Counter[tuple[str, str]] = Counter()
     for log in logs:
         for match in DUPLICATE_LOG.finditer(log.read_text(errors="replace")):
-            count[match.group(1).lower()] += 1
+            count[(match.group(1), match.group(2).lower())] += 1
     return count
 
 
@@ -447,21 +505,41 @@ class Audit:
     duplicates: Counter[str]  # extra copies per recipient
     bounces: Counter[tuple[str, str]]
     partial: int
-    # Extra copies (and extra DSNs, under the sender's address, which is the DSN's
-    # recipient) per recipient that no kill explains: each needs a logged possible duplicate.
-    unexplained: Counter[str] = field(default_factory=Counter)
+    # Extra copies per (Message-ID, recipient), and extra DSN reports per (Message-ID,
+    # sender), that no kill explains: each needs a logged possible duplicate.
+    unexplained: Counter[Pair] = field(default_factory=Counter)
     explained: int = 0  # extra copies and DSNs explained by a delivery in flight at a kill
     refused_delivered: list[str] = field(default_factory=list)  # 4xx, then delivered anyway
     refused_under_way: int = 0  # the same, but under way at a kill: allowed
+    bounced_wrongly: list[Pair] = field(default_factory=list)  # at a domain that accepts
+    delivered_and_bounced: list[Pair] = field(default_factory=list)
+    queue_ids: dict[str, str] = field(default_factory=dict)  # queue id -> Message-ID
+    dsn_reports: dict[str, list[Pair]] = field(default_factory=dict)  # by the DSN's Message-ID
 
     @property
     def duplicate_count(self) -> int:
         return sum(self.duplicates.values())
 
-    def unexplained_duplicates(self, logged: Counter[str]) -> dict[str, int]:
-        """Extra copies and DSNs that neither a kill nor a possible duplicate the core
-        logged explains, per recipient (the sender's address for DSNs)."""
-        return {r: n - logged[r] for r, n in self.unexplained.items() if n > logged[r]}
+    def unexplained_duplicates(self, logged: Counter[tuple[str, str]]) -> dict[Pair, int]:
+        """Extra copies and DSN reports that neither a kill nor a possible duplicate the
+        core logged (``logged_duplicates``) explains, as in ``unexplained``."""
+        excused = self.excused(logged)
+        return {p: n - excused[p] for p, n in self.unexplained.items() if n > excused[p]}
+
+    def excused(self, logged: Counter[tuple[str, str]]) -> Counter[Pair]:
+        """The extra copies the possible duplicates logged per (queue id, recipient) may
+        explain, one each, keyed as in ``unexplained``."""
+        excused: Counter[Pair] = Counter()
+        for (queue_id, recipient), n in logged.items():
+            message_id = self.queue_ids.get(queue_id)
+            if message_id is None:
+                continue  # no copy of it reached the MX, and no queue read at a kill held it
+            if recipient == SENDER:  # a DSN: one extra report of each pair it reports
+                for original, _ in self.dsn_reports.get(message_id, []):
+                    excused[(original, SENDER)] += n
+            else:
+                excused[(message_id, recipient)] += n
+        return excused
 
     def problems(self) -> list[str]:
         found = []
@@ -480,6 +558,10 @@ class Audit:
                 f"{len(self.refused_delivered)} message(s) refused with 4xx yet delivered or "
                 f"bounced, not under way at any kill: {self.refused_delivered[:5]}"
             )
+        if self.bounced_wrongly:
+            found.append(f"reported failed, yet the remote accepts: {self.bounced_wrongly[:5]}")
+        if self.delivered_and_bounced:
+            found.append(f"delivered and reported failed: {self.delivered_and_bounced[:5]}")
         return found
 
     def summary(self) -> str:
@@ -491,7 +573,9 @@ class Audit:
         )
 
 
-def audit(ledger: Ledger, dumps: Dumps) -> Audit:
+def audit(ledger: Ledger, dumps: Dumps, *, may_bounce: Collection[str] = ()) -> Audit:
+    """The verdict; ``may_bounce``: the domains whose MX refuses (every other accepts all,
+    so a DSN reporting one of its recipients is a fault, not an outcome)."""
     delivered = dumps.delivered()
     bounces = dumps.bounces()
     bounced = set(bounces)
@@ -504,14 +588,14 @@ def audit(ledger: Ledger, dumps: Dumps) -> Audit:
     # Each kill explains one extra copy of each pair it caught in flight (and one extra DSN).
     in_flight = Counter(p for kill in ledger.kills for p in kill.delivering)
     in_flight_dsn = Counter(p for kill in ledger.kills for p in kill.bouncing)
-    unexplained: Counter[str] = Counter()
+    unexplained: Counter[Pair] = Counter()
     explained = 0
     for book, caught, owner in ((delivered, in_flight, None), (bounces, in_flight_dsn, SENDER)):
         for pair, n in book.items():
             extra = n - 1
             explained += min(extra, caught[pair]) if extra > 0 else 0
             if extra > caught[pair]:
-                unexplained[owner or pair[1]] += extra - caught[pair]
+                unexplained[(pair[0], owner or pair[1])] += extra - caught[pair]
     landed = {m for m, _ in delivered} | {m for m, _ in bounced}
     refused_landed = sorted(set(ledger.refused) & landed)
     under_way = ledger.killed_under_way()
@@ -538,4 +622,8 @@ def audit(ledger: Ledger, dumps: Dumps) -> Audit:
         explained=explained,
         refused_delivered=[m for m in refused_landed if m not in under_way],
         refused_under_way=sum(1 for m in refused_landed if m in under_way),
+        bounced_wrongly=sorted(p for p in bounced if p[1].rpartition("@")[2] not in may_bounce),
+        delivered_and_bounced=sorted(set(delivered) & bounced),
+        queue_ids=ledger.queue_ids() | dumps.queue_ids(),
+        dsn_reports=dumps.dsn_reports(),
     )
