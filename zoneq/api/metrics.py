@@ -5,6 +5,8 @@ buckets with ``+Inf``, ``_sum`` and ``_count``) exactly as Prometheus parses it.
 counted on the hot paths for it: a custom collector reads, at scrape time,
 
 * queue sizes from the store's O(1) counters (per zone and state, messages, paused zones);
+  the states partition the queue: ``ready`` there leaves out the ``leased`` recipients, which
+  the store counts as ready too (``QueueAdmin.counts``), so ``sum by (zone)`` is the queue;
 * MX addresses the zone workers' dead-host caches rest now, per zone (``zoneq_dead_hosts``):
   the latest count each connected worker reported (``zoneq.ipc.figures``), summed;
 * delivery outcomes held in memory while the queue database cannot write
@@ -16,13 +18,21 @@ counted on the hot paths for it: a custom collector reads, at scrape time,
   latency histogram from the event log, which every transition writes in its own batch: an
   ``EventTally`` remembers where it stopped and reads only the events written since (at
   most ``MAX_EVENTS_PER_SCRAPE`` per scrape; a backlog is caught up over the next ones).
+  Decoding an event costs about 25 us, so the tally reads ``EVENTS_PER_TURN`` of them at a
+  time and gives the event loop back in between: a scrape after a busy minute would
+  otherwise stall the receiver and the workers' reports for most of a second.  Not in a
+  thread: plyvel frees an iterator when its database closes (a reopen after a failed write
+  does), even while another thread is stepping it.
 
 Totals count from the start of this process, as Prometheus counters do (``rate()`` handles
-the reset at a restart).
+the reset at a restart).  Every zone has every counter and the latency histogram from the
+first scrape, at 0: a series that first appears at 1 has no earlier sample for
+``increase()`` or ``rate()`` to count its first increment from.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Iterator
 from typing import Final
@@ -47,6 +57,8 @@ from zoneq.storage.records import State
 from zoneq.storage.store import QueueStore
 
 MAX_EVENTS_PER_SCRAPE: Final = 50_000
+# About 12 ms of decoding between two turns of the event loop.
+EVENTS_PER_TURN: Final = 500
 # Seconds from queued to delivered: a first attempt is seconds; retries are minutes to days.
 LATENCY_BUCKETS: Final = (
     0.5,
@@ -87,7 +99,11 @@ class _Latency:
 
 
 class EventTally:
-    """Totals per (kind, zone) and latencies per zone, from the events written since start."""
+    """Totals per (kind, zone) and latencies per zone, from the events written since start.
+
+    Two scrapes may catch up at once: each turn reads from the one cursor and moves it on
+    with no await in between, so they share the backlog and count no event twice.
+    """
 
     def __init__(self, store: QueueStore) -> None:
         self._store = store
@@ -96,8 +112,21 @@ class EventTally:
         self.accepted_recipients: dict[str, int] = {}
         self.latency: dict[str, _Latency] = {}
 
-    def catch_up(self, limit: int = MAX_EVENTS_PER_SCRAPE) -> int:
+    async def catch_up(self, limit: int = MAX_EVENTS_PER_SCRAPE) -> int:
         """Read the events written since the last call (up to ``limit``); how many."""
+        seen = 0
+        while seen < limit:
+            wanted = min(EVENTS_PER_TURN, limit - seen)
+            read = self._read(wanted)
+            seen += read
+            if read < wanted:
+                break
+            await asyncio.sleep(0)  # the loop's other tasks run between two turns
+        return seen
+
+    def _read(self, limit: int) -> int:
+        # A new iterator each turn, none kept across an await: a reopen of the database
+        # (``QueueStore.reopen``, after a failed write) closes the iterators it has.
         seen = 0
         for key, event in itertools.islice(self._store.events(after=self._after), limit):
             self._after = key
@@ -114,7 +143,8 @@ class EventTally:
 
 
 class QueueCollector(Collector):
-    """Everything ``/metrics`` shows, computed at scrape time."""
+    """Everything ``/metrics`` shows, computed at scrape time (the tally is caught up by
+    ``MetricsRegistry.exposition`` before, as ``collect`` cannot wait)."""
 
     def __init__(
         self, store: QueueStore, admin: QueueAdmin, workers: WorkerFigures | None = None
@@ -127,13 +157,14 @@ class QueueCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         sizes = GaugeMetricFamily(
             "zoneq_queue_recipients",
-            "Queued recipients per zone and state",
+            "Queued recipients per zone and state; the states do not overlap (ready leaves "
+            "out the leased ones, handed to a worker now), so their sum is the queue",
             labels=["zone", "state"],
         )
         paused = GaugeMetricFamily("zoneq_zone_paused", "1 if the zone is paused", labels=["zone"])
         for zone, counts in self._admin.counts().items():
-            for state in State:
-                sizes.add_metric([zone, state.value], int(counts[state.value]))
+            for state, value in _partition(counts).items():
+                sizes.add_metric([zone, state.value], value)
             paused.add_metric([zone], 1 if counts["paused"] else 0)
         yield sizes
         yield paused
@@ -170,32 +201,31 @@ class QueueCollector(Collector):
 
     def _totals(self) -> Iterator[Metric]:
         tally = self.tally
-        tally.catch_up()
+        # Every zone from the start, with or without events yet (see the module's note).
+        zones = sorted(set(self._admin.zones()) | {zone for _, zone in tally.totals})
         accepted = CounterMetricFamily(
             "zoneq_accepted_messages", "Messages queued, per zone they went to", labels=["zone"]
         )
         accepted_rcpts = CounterMetricFamily(
             "zoneq_accepted_recipients", "Recipients queued", labels=["zone"]
         )
-        for (kind, zone), value in sorted(tally.totals.items()):
-            if kind is EventKind.ACCEPTED:
-                accepted.add_metric([zone], value)
-        for zone, value in sorted(tally.accepted_recipients.items()):
-            accepted_rcpts.add_metric([zone], value)
+        for zone in zones:
+            accepted.add_metric([zone], tally.totals.get((EventKind.ACCEPTED, zone), 0))
+            accepted_rcpts.add_metric([zone], tally.accepted_recipients.get(zone, 0))
         yield accepted
         yield accepted_rcpts
         for kind, (name, text) in _TOTALS.items():
             family = CounterMetricFamily(name, text, labels=["zone"])
-            for (seen, zone), value in sorted(tally.totals.items()):
-                if seen is kind:
-                    family.add_metric([zone], value)
+            for zone in zones:
+                family.add_metric([zone], tally.totals.get((kind, zone), 0))
             yield family
         latency = HistogramMetricFamily(
             "zoneq_delivery_latency_seconds",
             "From queued to delivered, per recipient",
             labels=["zone"],
         )
-        for zone, observed in sorted(tally.latency.items()):
+        for zone in zones:
+            observed = tally.latency.get(zone, _Latency())
             buckets = [
                 (repr(bound), n) for bound, n in zip(LATENCY_BUCKETS, observed.buckets, strict=True)
             ]
@@ -204,16 +234,37 @@ class QueueCollector(Collector):
         yield latency
 
 
+def _partition(counts: dict[str, int | bool]) -> dict[State, int]:
+    """The store's counts per state with the leased recipients out of ready: the store
+    counts a leased recipient as ready (its record stays in the ready family until its
+    outcome), and a sum over the states would count it twice."""
+    by_state = {state: int(counts[state.value]) for state in State}
+    by_state[State.READY] -= by_state[State.LEASED]
+    return by_state
+
+
+class MetricsRegistry(CollectorRegistry):
+    """The registry ``/metrics`` reads, with the collector whose tally it catches up."""
+
+    def __init__(self, collector: QueueCollector) -> None:
+        super().__init__(auto_describe=False)
+        self.register(collector)
+        self._collector = collector
+
+    async def exposition(self) -> bytes:
+        """The text format, after the events written since the last scrape are counted."""
+        await self._collector.tally.catch_up()
+        return generate_latest(self)
+
+
 def new_registry(
     store: QueueStore, admin: QueueAdmin, workers: WorkerFigures | None = None
-) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(QueueCollector(store, admin, workers))
-    return registry
+) -> MetricsRegistry:
+    return MetricsRegistry(QueueCollector(store, admin, workers))
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(context(request).registry)
+    body = await context(request).registry.exposition()
     response = web.Response(body=body)
     response.headers["Content-Type"] = CONTENT_TYPE_LATEST
     return response
