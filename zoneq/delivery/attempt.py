@@ -14,8 +14,13 @@ with the last reason seen.  A connection that could not be made marks its addres
 a while, so the other delivery loops skip it too; one that worked marks it alive.  A
 connection that failed because our own source address could not be bound (it left the
 host) is our fault, not the host's: the host is not marked dead (``pool.bind_failure``),
-the try does not count toward ``max_addresses`` (no address was reached), and the walk
-skips the other addresses of that family, which would fail to bind alike.
+the try does not count toward ``max_addresses`` (no address was reached), the pool rests
+that source for the dead-host period (so the worker's other jobs stop picking it), and the
+same MX address is tried again from another pool address of the family.  Only when the
+family has none left does the walk skip that family's MX addresses, which would fail to
+bind alike.  When every address was skipped as resting, the recipients are deferred with
+the failure that put the first of them to rest (``<host>[<ip>] resting after: ...``), so a
+bounce at expiry says what was wrong (RFC 3464 section 2.3.6).
 
 One attempt connects to at most ``max_addresses`` addresses (``[delivery]
 max_mx_addresses``, Postfix's ``smtp_mx_address_limit``, 5); the rest wait for the next
@@ -30,7 +35,8 @@ the MX).  A pool with no IPv6 address turns IPv6 off for the zone, whatever ``ip
 with no pool the system picks a source of either family.  When the MX hosts have addresses
 only of families the pool lacks, the recipients are deferred with 4.4.4 (RFC 3463 section
 3.5, "unable to route"): a local limit the operator can lift by adding a pool address, so
-it must not bounce.  The source address is chosen once per family for the whole walk.
+it must not bounce.  The source address is chosen once per family for the whole walk
+(again only after it failed to bind).
 
 A zone with a smarthost has no MX walk: its one host is the relay (host, port, TLS and
 AUTH from the config).  An address literal is used as it is.  A name is resolved by the
@@ -137,10 +143,12 @@ class Settings:
         """The IP versions the zone can connect from (its pool's); None: any."""
         return self.sources.families if self.sources is not None else None
 
-    def source_for(self, resting: Sequence[str], family: int | None = None) -> Source:
+    def source_for(
+        self, resting: Sequence[str], family: int | None = None, exclude: Collection[str] = ()
+    ) -> Source:
         if self.sources is None:
             return Source(None, self.helo_name)
-        return self.sources.choose(resting, family)
+        return self.sources.choose(resting, family, exclude)
 
 
 Send = Callable[..., Awaitable[TransactionResult]]
@@ -197,8 +205,9 @@ async def attempt(
             outcome, host_name = seen
             report = _report(token, outcome, host_name, None, Outcome.DEFERRED)
         else:
-            reason = "no MX host could be reached (all are resting after failures)"
-            report = RecipientReport(token, Outcome.DEFERRED, reply=reason, enhanced="4.4.1")
+            report = RecipientReport(
+                token, Outcome.DEFERRED, reply=walk.resting_reason(), enhanced="4.4.1"
+            )
         walk.settled[index] = report
     return [walk.settled[index] for index in range(len(job.recipients))]
 
@@ -223,8 +232,11 @@ class _Walk:
         self.plugins = plugins if connect_hook else None
         # One source per family for the whole walk: the address the core told us to avoid
         # stays avoided on every MX host, and the reports name the address the replies were
-        # about.  Chosen when first needed, so a walk over IPv4 alone takes no IPv6 turn.
-        self._sources: dict[int | None, Source] = {}
+        # about.  Chosen when first needed, so a walk over IPv4 alone takes no IPv6 turn;
+        # None: no address of the family could be bound.
+        self._sources: dict[int | None, Source | None] = {}
+        self._unbound: set[str] = set()  # pool addresses that failed to bind in this walk
+        self._resting: tuple[str, str] | None = None  # (host, address) first skipped dead
         self.job = job
         self.settings = settings
         self.dead_hosts = dead_hosts
@@ -238,7 +250,6 @@ class _Walk:
         self.settled: dict[int, RecipientReport] = {}
         self.last: dict[int, tuple[RecipientResult, str]] = {}
         self.tried = 0  # addresses connected to in this walk
-        self.unbindable: set[int | None] = set()  # families whose source cannot be bound
         ret = (job.ret or "").upper()
         self.options = MailOptions(
             ret=Ret(ret) if ret in ("FULL", "HDRS") else None,
@@ -252,33 +263,96 @@ class _Walk:
         # Postfix's smtp_mx_address_limit: a bound on addresses tried, not on hosts, since
         # one host may have a hundred addresses and each may take 300 s to time out
         # (RFC 5321 section 4.5.3.2).  Resting addresses cost nothing and do not count;
-        # nor does a try whose source address could not be bound: it reached no address,
-        # and the family's other addresses are skipped (they would fail alike), so an
-        # IPv4 source that left the host does not keep every attempt from the IPv6 ones.
+        # nor does a try whose source address could not be bound: it reached no address.
+        # A family with no source left that binds has its addresses skipped (they would
+        # fail alike), so an IPv4 pool that left the host does not keep every attempt from
+        # the IPv6 ones.
         for host in mx.hosts:
             for address in host.addresses:
                 if not self.pending or self.tried >= self.settings.max_addresses:
                     return
-                if self.dead_hosts.is_dead(address) or family_of(address) in self.unbindable:
+                if self._skip(host.name, address):
                     continue
                 if await self._try(host.name, address):
                     self.tried += 1
 
-    def _source(self, address: str) -> Source:
-        family = family_of(address) if self.settings.families is not None else None
-        source = self._sources.get(family)
-        if source is None:
-            source = self._sources[family] = self.settings.source_for(self.job.rested, family)
-        return source
+    def _skip(self, host_name: str, address: str) -> bool:
+        """Skip ``address`` in this walk: the dead-host cache rests it, or no source of its
+        family can be bound.  The first one resting is remembered for the reports."""
+        if self.dead_hosts.is_dead(address):
+            self._resting = self._resting or (host_name, address)
+            return True
+        family = self._family(address)
+        return family in self._sources and self._sources[family] is None
+
+    def resting_reason(self) -> str:
+        """Why recipients no host settled were never sent: the failure that put the first
+        skipped address to rest (the reason a bounce at expiry must give)."""
+        if self._resting is None:
+            return "no MX host could be reached"
+        host_name, address = self._resting
+        why = self.dead_hosts.why_dead(address) or "earlier failures"
+        return f"{host_name}[{address}] resting after: {why}"
+
+    def _family(self, address: str) -> int | None:
+        """The key of ``address``'s source: its family, or None when the system picks."""
+        return family_of(address) if self.settings.families is not None else None
+
+    def _source(self, family: int | None) -> Source | None:
+        """The walk's source for ``family``; None when none of its addresses binds."""
+        if family not in self._sources:
+            try:
+                source: Source | None = self.settings.source_for(
+                    self.job.rested, family, exclude=self._unbound
+                )
+            except LookupError:  # every address of the family failed to bind
+                source = None
+            self._sources[family] = source
+        return self._sources[family]
+
+    def _cannot_bind(self, source: Source, family: int | None) -> bool:
+        """Did the connection fail because ``source`` cannot be bound here (our fault)?
+        Then the pool rests it for the dead-host period, so this worker's other jobs pick
+        another address meanwhile, and this walk picks another of the family at once."""
+        if source.address is None or self.settings.sources is None:
+            return False  # the system picked, and it picks one that binds
+        why = bind_failure(source.address)
+        if why is None:
+            return False
+        log.error("source address %s cannot be bound: %s", source.address, why)
+        self.settings.sources.rest_unbindable(source.address, self.dead_hosts.base)
+        self._unbound.add(source.address)
+        del self._sources[family]
+        return True
 
     async def _try(self, host_name: str, address: str) -> bool:
-        """One address; False when our source address could not be bound (no connection
-        was tried, so it does not count toward ``max_addresses``)."""
-        source = self._source(address)
-        if self.plugins is not None and not await self._may_connect(host_name, address, source):
-            return True  # every recipient is settled: the walk ends either way
+        """One address, from the first source of its family that binds; False when none
+        does (no connection was made, so it does not count toward ``max_addresses``)."""
+        family = self._family(address)
+        while self.pending and (source := self._source(family)) is not None:
+            if self.plugins is not None and not await self._may_connect(host_name, address, source):
+                return True  # every recipient is settled: the walk ends either way
+            result = await self._send(host_name, address, source)
+            bound = result.peer is not None or not self._cannot_bind(source, family)
+            if bound:
+                self._mark(address, result)
+            self._settle(result, host_name, source)
+            if bound:
+                return True
+        return False
+
+    def _mark(self, address: str, result: TransactionResult) -> None:
+        """Tell the dead-host cache how ``address`` did, with the failure's text."""
+        if result.peer is not None:
+            self.dead_hosts.mark_alive(address)
+            return
+        # Every recipient met the same failed connection: the first one's text is it.
+        reason = _reply_text(result.recipients[0]) if result.recipients else ""
+        self.dead_hosts.mark_dead(address, reason)
+
+    async def _send(self, host_name: str, address: str, source: Source) -> TransactionResult:
         relay = self.settings.relay
-        result = await self.send(
+        return await self.send(
             host=address,
             port=relay.port if relay is not None else self.settings.port,
             helo_name=source.helo_name,
@@ -294,17 +368,9 @@ class _Walk:
             slot=self.job.slot,
             **(_relay_options(relay) if relay is not None else {}),
         )
-        bound = True
-        if result.peer is None:
-            local_fault = source.address is not None and bind_failure(source.address)
-            if local_fault:
-                log.error("source address %s cannot be bound: %s", source.address, local_fault)
-                self.unbindable.add(family_of(address))
-                bound = False
-            else:
-                self.dead_hosts.mark_dead(address)
-        else:
-            self.dead_hosts.mark_alive(address)
+
+    def _settle(self, result: TransactionResult, host_name: str, source: Source) -> None:
+        """Settle the recipients ``result`` decided; the others wait for the next address."""
         still: list[int] = []
         for index, outcome in zip(self.pending, result.recipients, strict=True):
             rcpt = self.recipients[index]
@@ -319,7 +385,6 @@ class _Walk:
                     report = dataclasses.replace(report, relayed=True)
                 self.settled[index] = report
         self.pending = still
-        return bound
 
     def _ruled(self, outcome: RecipientResult) -> bool:
         """Does a reply rule claim this reply (a provider's "slow down" or "blocked" under
@@ -426,17 +491,23 @@ def _report(
     force: Outcome | None = None,
 ) -> RecipientReport:
     reply = result.reply
-    text = str(reply) if reply is not None else (result.detail or str(result.stage))
     return RecipientReport(
         token,
         force or _OUTCOME[result.verdict],
-        reply=text,
+        reply=_reply_text(result),
         code=reply.code if reply is not None else None,
         enhanced=str(result.status) if result.status is not None else None,
         mx=mx,
         source_ip=source_ip,
         possible_duplicate=result.possible_duplicate,
     )
+
+
+def _reply_text(result: RecipientResult) -> str:
+    """The server's reply, or what went wrong without one (a refused connection)."""
+    if result.reply is not None:
+        return str(result.reply)
+    return result.detail or str(result.stage)
 
 
 async def _relay_hosts(

@@ -22,6 +22,11 @@ again starts from ``base``.  Time comes only from the injected ``clock`` (monoto
 seconds).  The cache is bounded: beyond ``max_entries`` the address marked longest ago is
 forgotten, which errs on the side of trying it again.
 
+Each entry keeps the text of the last failure (``why_dead``): a walk that finds every MX
+address resting reports what was wrong with them, not only that they rest, or a bounce at
+expiry would carry no cause (RFC 3464 section 2.3.6: the Diagnostic-Code is the actual
+problem).
+
 What it logs (info, logger ``zoneq.delivery``): each time an address is marked dead and
 for how long, and the first time in each period that it is let through again after its
 rest.  Both are once per address per period, never per job: during an outage every queued
@@ -46,6 +51,7 @@ class _Dead:
     failures: int
     until: float
     period: float
+    reason: str = ""  # the last failure's text, for the reports of skipped addresses
     retried: bool = False  # logged "trying again" for this period already
 
 
@@ -69,6 +75,11 @@ class DeadHostCache:
         self._cap = cap
         self._max_entries = max_entries
         self._entries: OrderedDict[str, _Dead] = OrderedDict()
+
+    @property
+    def base(self) -> float:
+        """The first dead period, in seconds."""
+        return self._base
 
     def is_dead(self, ip: str) -> bool:
         """True while ``ip`` is inside a dead period.
@@ -107,20 +118,29 @@ class DeadHostCache:
             return 0.0
         return max(0.0, entry.until - now)
 
-    def mark_dead(self, ip: str) -> float:
-        """Record a failed connection to ``ip``; returns the seconds it is now dead for."""
+    def why_dead(self, ip: str) -> str | None:
+        """The last failure's text while ``ip`` is inside a dead period; None if it is not."""
+        if self.dead_for(ip) <= 0:
+            return None
+        return self._entries[_key(ip)].reason
+
+    def mark_dead(self, ip: str, reason: str = "") -> float:
+        """Record a failed connection to ``ip`` (``reason``: what went wrong, for reports);
+        returns the seconds it is now dead for."""
         key = _key(ip)
         now = self._clock()
         entry = self._entries.get(key)
         if entry is not None and now < entry.until:
-            # Already dead: a connection that was under way when it died.  Not new evidence.
+            # Already dead: a connection that was under way when it died.  Not new evidence
+            # for the period, but its text is the latest word on the host.
+            entry.reason = reason or entry.reason
             return entry.until - now
         failures = 1
         if entry is not None and now < entry.until + self._cap:
             failures = entry.failures + 1
         # The exponent is bounded so the float cannot overflow after many failures.
         period = min(self._base * 2.0 ** min(failures - 1, 64), self._cap)
-        self._entries[key] = _Dead(failures, now + period, period)
+        self._entries[key] = _Dead(failures, now + period, period, reason)
         self._entries.move_to_end(key)
         while len(self._entries) > self._max_entries:
             self._entries.popitem(last=False)

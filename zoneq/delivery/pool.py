@@ -17,6 +17,14 @@ others share their turns.  When every address of the pool is resting, the whole 
 used again: the rest is advice on which address to prefer, and holding the mail back
 would only move the same question to the next retry.
 
+Addresses that could not be bound (they left the host after start: EADDRNOTAVAIL) are
+left out of the pick for a while (``rest_unbindable``, by the worker's own clock), so that
+the loops do not each lose a try on them at their full ratio; their turns go to the
+others.  This rest is harder than the core's: an address of the pool that is neither
+resting nor unbindable is preferred to a resting one that binds, and only when every
+address of the family is unbindable are they all tried again (one may be back).  A walk
+that met the failure passes the address in ``exclude`` to pick another at once.
+
 Address families
 ----------------
 A connection can only bind a source address of the family of the address it connects to
@@ -35,7 +43,8 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from zoneq.config.zones import PoolAddress
@@ -78,14 +87,32 @@ class Source:
 class SourcePool:
     """Smooth weighted round-robin over a zone's pool (see the module's docstring)."""
 
-    __slots__ = ("_current", "_default", "_families", "_sources", "_weights")
+    __slots__ = (
+        "_clock",
+        "_current",
+        "_default",
+        "_families",
+        "_sources",
+        "_unbindable_until",
+        "_weights",
+    )
 
-    def __init__(self, pool: Sequence[PoolAddress], default_helo: str) -> None:
+    def __init__(
+        self,
+        pool: Sequence[PoolAddress],
+        default_helo: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._sources = [Source(entry.address, entry.ehlo_name or default_helo) for entry in pool]
         self._weights = [entry.ratio for entry in pool]
         self._current = [0.0] * len(pool)
         self._default = Source(None, default_helo)
         self._families = [family_of(entry.address) for entry in pool]
+        self._clock = clock
+        # Address -> the ``clock`` time its rest after a failed bind ends; only the pool's
+        # own addresses are ever keys, so it stays as small as the pool.
+        self._unbindable_until: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._sources)
@@ -95,18 +122,34 @@ class SourcePool:
         """The IP versions (4, 6) the pool has addresses of; None: no pool, any family."""
         return frozenset(f for f in self._families if f is not None) if self._sources else None
 
-    def choose(self, resting: Collection[str] = (), family: int | None = None) -> Source:
-        """The source for the next delivery, avoiding ``resting`` addresses where it can;
-        ``family`` (4 or 6): only among the pool's addresses of that IP version.
+    def rest_unbindable(self, address: str, seconds: float) -> None:
+        """``address`` could not be bound: leave it out of the picks for ``seconds``."""
+        self._unbindable_until[address] = self._clock() + seconds
 
-        Raises ``LookupError`` when the pool has no address of ``family`` (the caller asks
-        only for families in ``families``)."""
+    def choose(
+        self,
+        resting: Collection[str] = (),
+        family: int | None = None,
+        exclude: Collection[str] = (),
+    ) -> Source:
+        """The source for the next delivery, avoiding ``resting`` and unbindable addresses
+        where it can, and never one in ``exclude``; ``family`` (4 or 6): only among the
+        pool's addresses of that IP version.
+
+        Raises ``LookupError`` when the pool has no address of ``family`` outside
+        ``exclude`` (the caller asks only for families in ``families``)."""
         if not self._sources:
             return self._default
-        usable = [i for i, f in enumerate(self._families) if family is None or f == family]
+        usable = [
+            i
+            for i, f in enumerate(self._families)
+            if (family is None or f == family) and self._sources[i].address not in exclude
+        ]
         if not usable:
-            raise LookupError(f"the pool has no IPv{family} address")
-        candidates = [i for i in usable if self._sources[i].address not in resting] or usable
+            raise LookupError(f"the pool has no IPv{family} address left to use")
+        now = self._clock()
+        bindable = [i for i in usable if not self._unbindable(i, now)] or usable
+        candidates = [i for i in bindable if self._sources[i].address not in resting] or bindable
         total = 0.0
         best = -1
         for index in candidates:
@@ -116,3 +159,7 @@ class SourcePool:
                 best = index
         self._current[best] -= total
         return self._sources[best]
+
+    def _unbindable(self, index: int, now: float) -> bool:
+        address = self._sources[index].address
+        return address is not None and now < self._unbindable_until.get(address, now)
