@@ -17,7 +17,14 @@ from typing import Any
 
 import pytest
 
-from tests.support.faultserver import EndAction, Faults, FaultServer, StartTls, self_signed_tls
+from tests.support.faultserver import (
+    EndAction,
+    Faults,
+    FaultServer,
+    Session,
+    StartTls,
+    self_signed_tls,
+)
 from tests.support.smtpsink import run_smtp_sink
 from zoneq.delivery.transport import (
     RFC5321_TIMEOUTS,
@@ -27,9 +34,10 @@ from zoneq.delivery.transport import (
     TlsPolicy,
     deliver,
 )
+from zoneq.delivery.transport.abort import Abort
 from zoneq.protocol.dsn import Notify, Ret
 from zoneq.protocol.encoder import dot_stuff
-from zoneq.protocol.replies import EnhancedStatus, Stage, Verdict
+from zoneq.protocol.replies import EnhancedStatus, Reply, Stage, Verdict
 
 SENDER = "sender@example.org"
 BODY = b"From: sender@example.org\r\nTo: a@example.net\r\nSubject: test\r\n\r\nhello\r\n"
@@ -48,12 +56,18 @@ def run(**kwargs: Any) -> Any:
     return asyncio.run(deliver(**kwargs))
 
 
-def against(faults: Faults, server_tls: ssl.SSLContext | None = None, **kwargs: Any) -> Any:
+def against(
+    faults: Faults,
+    server_tls: ssl.SSLContext | None = None,
+    *,
+    server_type: type[FaultServer] = FaultServer,
+    **kwargs: Any,
+) -> Any:
     """Run ``deliver`` against a FaultServer (with ``server_tls`` for STARTTLS); return
     (result, server)."""
 
     async def main() -> Any:
-        async with FaultServer(faults, server_tls) as server:
+        async with server_type(faults, server_tls) as server:
             kwargs.setdefault("helo_name", "client.example.org")
             kwargs.setdefault("sender", SENDER)
             kwargs.setdefault("body", lambda: [BODY])
@@ -110,6 +124,16 @@ def test_address_with_control_characters_bounces_without_connecting() -> None:
         EnhancedStatus(5, 1, 3),
     )
     assert result.peer is None
+
+
+@pytest.mark.parametrize("reply", [None, Reply(250, ("Ok",), EnhancedStatus(2, 0, 0))])
+def test_an_abort_never_says_done(reply: Reply | None) -> None:
+    """An Abort ends the session before any 2yz to the final dot, the only reply that
+    delivers (RFC 5321 section 4.1.1.4): whatever verdict it is given, the recipients it
+    settles go on (NEXT_HOST), and never with a 2.x.x status."""
+    abort = Abort(Stage.EHLO, Verdict.DONE, reply=reply)
+    assert abort.verdict is Verdict.NEXT_HOST
+    assert abort.status is None or abort.status.klass == 4
 
 
 @pytest.mark.integration
@@ -303,6 +327,49 @@ def test_421_at_rcpt_sends_everyone_to_the_next_host(pipelining: bool) -> None:
     assert {r.reply.code for r in result.recipients} == {421}
     assert not server.payloads  # pipelined, DATA went with the group, but no body followed
     assert (b"DATA" in server.verbs()) is pipelining
+
+
+# --- fault server: a 2yz that is not the one expected while setting up --------------------
+
+
+def ehlo_answered(reply: bytes | None) -> type[FaultServer]:
+    """FaultServer answering EHLO with ``reply``, one line (None: as usual)."""
+
+    class OddEhloServer(FaultServer):
+        def _ehlo_lines(self, session: Session) -> list[bytes]:
+            return [reply] if reply else super()._ehlo_lines(session)
+
+    return OddEhloServer
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("greeting", "ehlo", "stage"),
+    [
+        # The banner twice in one packet: the second 220 is read as the reply to EHLO.
+        (b"220 mx ESMTP\r\n220 mx ESMTP", None, Stage.EHLO),
+        (b"250 mx ESMTP", None, Stage.GREETING),
+        (b"220 mx ESMTP", b"252 2.0.0 hm", Stage.EHLO),
+        (b"220 mx ESMTP", b"220 mx ESMTP", Stage.EHLO),
+    ],
+    ids=["banner-twice", "greeting-250", "ehlo-252", "ehlo-220"],
+)
+def test_a_2yz_other_than_the_expected_one_while_setting_up_delivers_nothing(
+    greeting: bytes, ehlo: bytes | None, stage: Stage
+) -> None:
+    """Only a 2yz to the final dot delivers (RFC 5321 section 4.1.1.4); a greeting other
+    than 220, or a reply to EHLO other than 250, is a session that never started (RFC 5321
+    section 3.1): the next host, with no MAIL sent and no 2.x.x status."""
+    result, server = against(
+        Faults(greeting=greeting),
+        server_type=ehlo_answered(ehlo),
+        recipients=["a@x.example", "b@x.example"],
+    )
+    assert [r.verdict for r in result.recipients] == [Verdict.NEXT_HOST] * 2
+    assert {r.stage for r in result.recipients} == {stage}
+    assert {r.status for r in result.recipients} == {EnhancedStatus(4, 5, 0)}
+    assert b"MAIL" not in server.verbs()
+    assert not result.possible_duplicate
 
 
 # --- fault server: after the dot -----------------------------------------------------------

@@ -402,9 +402,11 @@ CODES = (150, 220, 250, 334, 354, 301, 421, 450, 451, 452, 550, 552, 554)
 EXPECTED: dict[Stage, tuple[Verdict, ...]] = {
     #                  150 220 250 334 354 301 421 450 451 452 550 552 554
     Stage.CONNECT: (N, D, D, N, N, N, N, N, N, N, N, N, N),
-    Stage.GREETING: (N, D, D, N, N, N, N, N, N, N, N, N, N),
-    Stage.EHLO: (N, D, D, N, N, N, N, N, N, N, N, N, N),
-    Stage.STARTTLS: (N, D, D, N, N, N, N, N, N, N, N, N, N),
+    # RFC 5321 sections 3.1 and 4.3.2, RFC 3207 section 4: each has one success, and any
+    # other 2yz (a 250 greeting, a second 220 banner read as the EHLO reply) is no session.
+    Stage.GREETING: (N, D, N, N, N, N, N, N, N, N, N, N, N),
+    Stage.EHLO: (N, N, D, N, N, N, N, N, N, N, N, N, N),
+    Stage.STARTTLS: (N, D, N, N, N, N, N, N, N, N, N, N, N),
     Stage.AUTH: (N, D, D, D, N, N, N, N, N, N, N, N, N),
     Stage.MAIL: (F, D, D, F, F, F, N, F, F, F, B, B, B),
     # RFC 5321 section 4.5.3.1.10: 552 to RCPT is "too many recipients", taken as 452.
@@ -439,6 +441,12 @@ def test_classify_table(stage: Stage, code: int, verdict: Verdict) -> None:
     [
         # A 554 greeting refuses the session, not the recipient (RFC 5321 section 3.1).
         (Reply(554, ("No SMTP service here",)), Stage.GREETING, N),
+        # A 2yz other than the stage's one success sets no session up: never DONE, which
+        # would mark every recipient delivered (only the final dot's 2yz delivers).
+        (Reply(250, ("mx ESMTP",)), Stage.GREETING, N),
+        (Reply(220, ("mx ESMTP",)), Stage.EHLO, N),
+        (Reply(252, ("hm",), E(2, 0, 0)), Stage.EHLO, N),
+        (Reply(250, ("Ok",)), Stage.STARTTLS, N),
         # 421 from anywhere means the server is closing the channel (RFC 5321 section 3.8).
         (Reply(421, ("closing",), E(4, 4, 2)), Stage.RCPT, N),
         (Reply(421, ("closing",)), Stage.END_OF_DATA, N),
@@ -469,8 +477,9 @@ def test_classify_examples(reply: Reply, stage: Stage, verdict: Verdict) -> None
 @given(replies(), st.sampled_from(Stage))
 def test_classify_invariants(reply: Reply, stage: Stage) -> None:
     verdict = classify(reply, stage)
+    only_success = {Stage.GREETING: 220, Stage.EHLO: 250, Stage.STARTTLS: 220}
     if reply.is_positive and stage is not Stage.DATA:
-        assert verdict is Verdict.DONE
+        assert (verdict is Verdict.DONE) is (only_success.get(stage, reply.code) == reply.code)
     if stage is Stage.DATA:
         # RFC 5321 section 4.3.2: 354 is DATA's only success; nothing else delivers.
         assert (verdict is Verdict.DONE) is (reply.code == 354)

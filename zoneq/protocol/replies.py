@@ -338,6 +338,17 @@ _SESSION_STAGES: Final = frozenset(
 # section 4 for 334).  220 at GREETING and STARTTLS is already a 2yz.
 _EXPECTED_INTERMEDIATE: Final[dict[Stage, int]] = {Stage.DATA: 354, Stage.AUTH: 334}
 
+# Session stages whose one success is a single code: RFC 5321 sections 3.1 and 4.3.2 (220
+# greeting, 250 to EHLO or HELO) and RFC 3207 section 4 (220 to STARTTLS).  Any other 2yz
+# there is no success: a second banner read as the EHLO reply, a 250 greeting, a 252 to
+# EHLO.  Mail is delivered only by a 2yz to the final dot (RFC 5321 section 4.1.1.4), so
+# such a reply is trouble with this host, like any other refusal of the session.
+_ONLY_SUCCESS: Final[dict[Stage, int]] = {
+    Stage.GREETING: 220,
+    Stage.EHLO: 250,
+    Stage.STARTTLS: 220,
+}
+
 # Stages whose only success is their intermediate reply.  RFC 5321 sections 4.1.1.4 and
 # 4.3.2: DATA's one success is 354; a 2yz there means the server took DATA for something
 # else (or a pipelined reply went astray), and no message went with it.
@@ -359,7 +370,9 @@ def classify(reply: Reply, stage: Stage) -> Verdict:
       responsibility); how the server answers QUIT changes nothing.
     * 2yz (except at DATA), and 354 at DATA, 334 at AUTH: DONE.  A 2yz to DATA is DEFER:
       the only success there is 354 (RFC 5321 sections 4.1.1.4 and 4.3.2), so the body was
-      never sent and the dialogue is out of step.
+      never sent and the dialogue is out of step.  At GREETING, EHLO and STARTTLS only 220,
+      250 and 220 are DONE; another 2yz there is NEXT_HOST (RFC 5321 section 3.1): the
+      session was never set up, so nothing was delivered.
     * 552 at RCPT is judged as 452 (RFC 5321 section 4.5.3.1.10): DEFER.
     * 421 at any stage: NEXT_HOST.  RFC 5321 section 3.8: the server is closing the
       channel; this is about the server, not the recipient.
@@ -377,7 +390,7 @@ def classify(reply: Reply, stage: Stage) -> Verdict:
     if stage is Stage.QUIT or _EXPECTED_INTERMEDIATE.get(stage) == code:
         return Verdict.DONE
     if klass == 2:
-        return Verdict.DEFER if stage in _ONLY_INTERMEDIATE else Verdict.DONE
+        return _positive(code, stage)
     if code == 421 or stage in _SESSION_STAGES:
         return Verdict.NEXT_HOST
     if klass == 4:
@@ -385,6 +398,14 @@ def classify(reply: Reply, stage: Stage) -> Verdict:
     if klass == 5:
         return Verdict.BOUNCE
     return Verdict.DEFER  # 1yz, unexpected 3yz
+
+
+def _positive(code: int, stage: Stage) -> Verdict:
+    """A 2yz at ``stage``: DONE, unless the stage's one success is another code
+    (``_ONLY_SUCCESS``: NEXT_HOST) or its intermediate reply (DATA: DEFER)."""
+    if _ONLY_SUCCESS.get(stage, code) != code:
+        return Verdict.NEXT_HOST
+    return Verdict.DEFER if stage in _ONLY_INTERMEDIATE else Verdict.DONE
 
 
 def classify_connection_failure(stage: Stage) -> Verdict:

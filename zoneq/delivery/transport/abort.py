@@ -26,7 +26,8 @@ BAD_SENDER_SYNTAX: Final = EnhancedStatus(5, 1, 7)  # X.1.7 bad sender's mailbox
 
 
 class Abort(Exception):
-    """The session cannot go on; every recipient not yet settled gets this outcome."""
+    """The session cannot go on; every recipient not yet settled gets this outcome (never
+    DONE: see below)."""
 
     def __init__(
         self,
@@ -38,6 +39,14 @@ class Abort(Exception):
         detail: str = "",
     ) -> None:
         super().__init__(detail or str(reply))
+        if verdict is Verdict.DONE:
+            # An Abort ends the session before a 2yz to the final dot, and only that reply
+            # delivers (RFC 5321 section 4.1.1.4): whatever reply led here, nothing this
+            # Abort settles was delivered.  Trouble with this host, then, never "done".
+            verdict = Verdict.NEXT_HOST
+        if status is None and reply is not None and reply.is_positive:
+            # The reply's own 2.x.x would read as success in a delay notice (RFC 3463).
+            status = OUT_OF_STEP
         self.stage = stage
         self.verdict = verdict
         self.reply = reply
