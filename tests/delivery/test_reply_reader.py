@@ -17,7 +17,7 @@ from tests.storage.conftest import async_test
 from zoneq.delivery.transport.channel import Channel, ChannelClosed, ChannelTimeout
 from zoneq.delivery.transport.replies import ReplyReader
 from zoneq.errors import ProtocolError
-from zoneq.protocol.replies import Reply, parse_reply
+from zoneq.protocol.replies import EnhancedStatus, Reply, parse_reply
 
 # One reply as its wire lines: a code, then one or more lines of text.
 codes = st.sampled_from([220, 221, 250, 251, 354, 421, 450, 451, 452, 500, 503, 550, 554])
@@ -69,6 +69,33 @@ def test_reply_boundaries(packets: list[bytes], replies: int, pending: bool) -> 
     assert reader.pending is pending
 
 
+@pytest.mark.parametrize(
+    ("packets", "expected"),
+    [
+        # RFC 5321 section 4.2: the client acts on the code, not the text, so a CR in a
+        # remote reply's text is made a space, and CRs before the line end go.
+        ([b"250 2.0.0 Ok: queued as 12345\rABC\r\n"], ("Ok: queued as 12345 ABC",)),
+        ([b"250 2.0.0 Ok queued\r\r\n"], ("Ok queued",)),
+        ([b"250 2.0.0 Ok queued\r", b"\r", b"\n"], ("Ok queued",)),
+        ([b"250-2.0.0 a\rb\r\n250 2.0.0 c\r\r\n"], ("a b", "c")),
+        ([b"250 2.0.0 Ok\r\n"], ("Ok",)),  # a sound line is unchanged
+    ],
+)
+def test_a_cr_in_the_text_of_a_remote_reply_is_tolerated(
+    packets: list[bytes], expected: tuple[str, ...]
+) -> None:
+    reader = ReplyReader()
+    got = [reply for packet in packets for reply in reader.feed(packet)]
+    assert got == [Reply(250, expected, EnhancedStatus(2, 0, 0))]
+    assert not reader.pending and reader.failed is None
+
+
+def test_replies_built_by_zoneq_still_refuse_a_bare_cr() -> None:
+    """The reader's tolerance is for what a server sends; ``parse_reply`` stays strict."""
+    with pytest.raises(ProtocolError, match="bare CR"):
+        parse_reply([b"250 a\rb\r\n"])
+
+
 def test_whole_replies_before_garbage_are_returned_then_the_reader_is_spent() -> None:
     reader = ReplyReader()
     assert [r.code for r in reader.feed(b"250 ok\r\n354 go\r\nnonsense\r\n")] == [250, 354]
@@ -82,7 +109,6 @@ def test_whole_replies_before_garbage_are_returned_then_the_reader_is_spent() ->
     [
         b"hello\r\n",  # not a code
         b"250-a\r\n550 b\r\n",  # codes differ within a reply
-        b"250 a\rb\r\n",  # a bare CR inside a line
         b"x" * 9000,  # an endless line with no end
         b"250-" + b"y" * 9000 + b"\r\n",
         b"250-a\r\n" * 10_000,  # an endless multiline reply

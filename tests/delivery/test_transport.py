@@ -399,6 +399,39 @@ def test_421_after_the_dot_is_defer_and_possible_duplicate() -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize(
+    "end_reply",
+    [b"250 2.0.0 Ok: queued as 12345\rABC", b"250 2.0.0 Ok queued\r"],
+    ids=["cr-inside", "cr-before-crlf"],
+)
+def test_a_bare_cr_in_the_text_of_the_final_250_is_still_delivered(end_reply: bytes) -> None:
+    """The client acts on the code, not the text (RFC 5321 section 4.2): a stray CR in the
+    250's text must not make it "no reply", a possible duplicate sent again later."""
+    result, server = against(Faults(end_reply=end_reply), recipients=["a@x.example"])
+    (only,) = result.recipients
+    assert (only.verdict, only.stage, only.possible_duplicate) == (
+        Verdict.DONE,
+        Stage.END_OF_DATA,
+        False,
+    )
+    assert only.reply.code == 250 and "\r" not in only.reply.text
+    assert len(server.payloads) == 1
+    assert server.verbs()[-1] == b"QUIT"  # the connection stayed usable
+
+
+@pytest.mark.integration
+def test_a_bare_cr_in_the_text_of_a_550_to_rcpt_still_bounces() -> None:
+    faults = Faults(rcpt_replies={1: b"550 5.1.1 user\runknown"})
+    result, server = against(faults, recipients=["a@x.example", "b@x.example"])
+    assert [(r.verdict, r.stage) for r in result.recipients] == [
+        (Verdict.BOUNCE, Stage.RCPT),
+        (Verdict.DONE, Stage.END_OF_DATA),
+    ]
+    assert result.recipients[0].status == EnhancedStatus(5, 1, 1)
+    assert len(server.payloads) == 1
+
+
+@pytest.mark.integration
 def test_a_slow_final_reply_is_waited_for() -> None:
     # The server takes 2 s to answer the dot (a content scan).  With a DATA-termination
     # timeout above that there is one copy, delivered.  With a short one for everything

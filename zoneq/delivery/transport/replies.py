@@ -25,11 +25,25 @@ MAX_LINE: Final = 8192
 MAX_REPLY: Final = 65536
 
 
+def _tolerant(line: bytes) -> bytes:
+    """A remote reply line (ending LF) with any CR in its text made harmless.
+
+    ``parse_reply`` refuses a bare CR, which suits the replies zoneq builds; but a server's
+    "250 2.0.0 queued as 12345 <CR> ABC" or "250 Ok <CR><CR><LF>" is still a 250, and the
+    client acts on the code, not the text (RFC 5321 section 4.2).  Refusing it would leave
+    the final dot without a usable reply: a possible duplicate, retried into a second copy.
+    So trailing CRs go and any other CR becomes a space.  A lone LF ends a line here, so
+    none is ever inside one.
+    """
+    text = line.rstrip(b"\r\n").replace(b"\r", b" ")
+    return text + b"\r\n"
+
+
 class ReplyReader:
     """Feed it bytes as they arrive; it returns the replies they complete, in order.
 
-    Lines end with LF (a CR before it is removed by ``parse_reply``; a bare LF is tolerated,
-    as aiosmtplib does, since the client acts on the code).  After a ProtocolError the reader
+    Lines end with LF (a bare LF is tolerated, as aiosmtplib does, and so is a CR anywhere
+    in the text: :func:`_tolerant`; the client acts on the code).  After a ProtocolError the reader
     is spent: the connection is in no known state and must be closed.
     """
 
@@ -78,6 +92,7 @@ class ReplyReader:
             self._size += len(line)
             if self._size > self._max_reply:
                 raise ProtocolError(f"reply longer than {self._max_reply} octets")
+            line = _tolerant(line)
             self._lines.append(line)
             if line[3:4] != b"-":  # the last line of this reply
                 lines, self._lines, self._size = self._lines, [], 0
