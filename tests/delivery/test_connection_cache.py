@@ -6,22 +6,23 @@ import asyncio
 from typing import Any
 
 from tests.storage.conftest import async_test
-from tests.support.faultserver import Faults, FaultServer
+from tests.support.faultserver import Faults, FaultServer, Send, Session
 from zoneq.delivery.transport import ConnectionCache, Timeouts, TlsPolicy, deliver
-from zoneq.protocol.replies import Verdict
+from zoneq.delivery.transport.abort import OUT_OF_STEP
+from zoneq.protocol.replies import Stage, Verdict
 
 FAST = Timeouts(greeting=5, ehlo=5, mail=5, rcpt=5, data_init=5, data_block=5, data_end=5)
 
 
 async def send(
-    host: str, port: int, cache: ConnectionCache, rcpt: str = "a@ok.test", slot: int = 0
+    host: str, port: int, cache: ConnectionCache, rcpt: str | list[str] = "a@ok.test", slot: int = 0
 ) -> Any:
     return await deliver(
         host=host,
         port=port,
         helo_name="mx.zoneq.test",
         sender="s@src.test",
-        recipients=[rcpt],
+        recipients=[rcpt] if isinstance(rcpt, str) else rcpt,
         body=lambda: [b"Subject: x\r\n\r\nbody\r\n"],
         tls=TlsPolicy.NONE,
         timeouts=FAST,
@@ -127,3 +128,71 @@ async def test_a_kept_connection_closed_while_idle_is_replaced_transparently() -
     finally:
         server.close()
         await server.wait_closed()
+
+
+# --- a reply nobody asked for ----------------------------------------------------------------
+
+# The final dot answered twice: the second 250 answers nothing we sent, and would be read as
+# the reply to the next command, every reply after it one step late (RFC 5321 section 4.2).
+TWO_REPLIES = b"250 2.0.0 Ok: queued\r\n250 2.0.0 extra"
+
+
+@async_test
+async def test_a_connection_with_a_stray_reply_is_not_kept() -> None:
+    cache = ConnectionCache()
+    async with FaultServer(Faults(end_reply=TWO_REPLIES)) as server:
+        first = await send(server.host, server.port, cache)
+        assert first.recipients[0].verdict is Verdict.DONE
+        assert len(cache) == 0
+        await asyncio.sleep(0.1)  # for the server to read the QUIT
+        assert server.sessions[0].commands[-1] == b"QUIT"
+        # On the kept connection, "bad" would have been read as accepted (MAIL's 250) and
+        # "good" refused (bad's 550): a valid recipient bounced.
+        server.faults.end_reply = Faults().end_reply
+        server.faults.rcpt_replies = {1: b"550 5.1.1 No such user"}
+        second = await send(server.host, server.port, cache, ["bad@ok.test", "good@ok.test"])
+        assert [r.verdict for r in second.recipients] == [Verdict.BOUNCE, Verdict.DONE]
+        assert len(server.sessions) == 2
+        await cache.close()
+
+
+class StrayWhileIdle(FaultServer):
+    """FaultServer that sends one more 250 a little after answering the final dot, while
+    the client keeps the connection idle."""
+
+    async def _data(self, reader: asyncio.StreamReader, session: Session, send: Send) -> bool:
+        keep_going = await super()._data(reader, session, send)
+        await asyncio.sleep(0.1)
+        await send(b"250 2.0.0 extra")
+        return keep_going
+
+
+@async_test
+async def test_a_kept_connection_that_got_a_stray_reply_while_idle_is_not_reused() -> None:
+    cache = ConnectionCache()
+    async with StrayWhileIdle(Faults()) as server:
+        await send(server.host, server.port, cache)
+        assert len(cache) == 1  # kept: the stray reply had not come yet
+        await asyncio.sleep(0.3)
+        server.faults.rcpt_replies = {1: b"550 5.1.1 No such user"}
+        second = await send(server.host, server.port, cache, ["bad@ok.test", "good@ok.test"])
+        assert [r.verdict for r in second.recipients] == [Verdict.BOUNCE, Verdict.DONE]
+        assert len(server.sessions) == 2 and cache.reused == 0
+        await cache.close()
+        await asyncio.sleep(0.1)
+    # Retired with QUIT, as any kept connection no longer good (not cut at the next MAIL).
+    assert server.sessions[0].commands[-1] == b"QUIT"
+
+
+@async_test
+async def test_a_stray_reply_ends_the_session_before_a_follow_up_transaction() -> None:
+    """After a 452, the recipients left go in a second transaction on the same connection
+    (RFC 5321 section 4.5.3.1.10); with a stray reply waiting, its replies would all be one
+    step late, so they go to the next host instead, and no second MAIL is sent."""
+    faults = Faults(max_recipients=1, end_reply=TWO_REPLIES)
+    async with FaultServer(faults) as server:
+        result = await send(server.host, server.port, ConnectionCache(), ["a@ok.test", "b@ok.test"])
+    a, b = result.recipients
+    assert (a.verdict, a.stage) == (Verdict.DONE, Stage.END_OF_DATA)
+    assert (b.verdict, b.stage, b.status) == (Verdict.NEXT_HOST, Stage.MAIL, OUT_OF_STEP)
+    assert server.verbs().count(b"MAIL") == 1 and len(server.payloads) == 1

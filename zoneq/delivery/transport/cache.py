@@ -96,7 +96,10 @@ class ConnectionCache:
         return sum(len(kept) for kept in self._idle.values())
 
     def _good(self, connection: Connection, now: float) -> bool:
-        return connection.channel.is_open and now - connection.idle_since <= self._idle_s
+        channel = connection.channel
+        # Not quiet: the server sent something while the connection was kept, which the
+        # next message would read as its replies (``Channel.quiet``).
+        return channel.is_open and channel.quiet and now - connection.idle_since <= self._idle_s
 
     def _remove(self, key: CacheKey, connection: Connection) -> None:
         kept = self._idle.get(key)
@@ -154,6 +157,7 @@ class ConnectionCache:
         if (
             connection.open_transaction
             or not connection.channel.is_open
+            or not connection.channel.quiet  # a stray reply: see ``Channel.quiet``
             or connection.messages >= self._max_messages
             or now - connection.opened >= self._max_age_s
             or len(self) >= self._max_idle

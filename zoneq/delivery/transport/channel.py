@@ -56,6 +56,17 @@ class Channel(asyncio.Protocol):
     def is_open(self) -> bool:
         return self._failure is None and not self._transport.is_closing()
 
+    @property
+    def quiet(self) -> bool:
+        """Has every byte the server sent been read as the reply to a command of ours?
+
+        A reply nobody asked for (a second 250 to the final dot, or text sent while idle)
+        would be read as the answer to the next command, and every reply after it one step
+        late: a recipient settled by another's reply (RFC 5321 section 4.2: replies answer
+        commands in order).  A channel that is not quiet carries no further transaction.
+        """
+        return not self._replies and not self._reader.pending
+
     # --- asyncio.Protocol ----------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:

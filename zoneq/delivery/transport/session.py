@@ -32,10 +32,10 @@ accepted, and the rest are sent in a new transaction on the same connection, rea
 again from ``body()``.
 
 Connection reuse: with a :class:`ConnectionCache`, a session that ended cleanly (its last
-transaction answered, nothing open) is kept instead of QUIT, and the next message to the same
-destination (host, port, source address, TLS policy and name, HELO name, implicit TLS, AUTH
-user) starts with MAIL on
-it, as Postfix's connection cache does: no TCP handshake, greeting, EHLO or TLS handshake per
+transaction answered, nothing open, no stray reply waiting: ``Channel.quiet``) is kept
+instead of QUIT, and the next message to the same destination (host, port, source address,
+TLS policy and name, HELO name, implicit TLS, AUTH user) starts with MAIL on it, as
+Postfix's connection cache does: no TCP handshake, greeting, EHLO or TLS handshake per
 message.  A session whose last transaction is still open (every recipient refused, or DATA
 refused) says RSET first, and is kept if that is answered 250.  A kept connection the server
 closed while it was idle shows at the first MAIL (lost, or a 421): the session then opens a

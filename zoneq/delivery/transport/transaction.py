@@ -111,6 +111,12 @@ async def transaction(
     link: Connection, ledger: Ledger, envelope: Envelope, todo: list[int]
 ) -> list[int]:
     """Run one MAIL transaction for ``todo``; return those to send in another (452)."""
+    if not link.channel.quiet:
+        # A reply nobody asked for is waiting (``Channel.quiet``): every reply would be
+        # read one step late, so this connection carries no more mail.
+        raise Abort(
+            Stage.MAIL, Verdict.NEXT_HOST, status=OUT_OF_STEP, detail="a stray reply is waiting"
+        )
     group = CommandGroup(
         link.channel,
         _commands(link, envelope, todo),
