@@ -302,6 +302,51 @@ async def test_552_to_rcpt_after_an_acceptance_is_the_recipient_limit_as_452(
 
 @pytest.mark.integration
 @async_test
+async def test_a_250_after_a_452_in_the_same_group_still_counts() -> None:
+    """Pipelined 250 / 452 / 250: the server took c despite b's 452, so c goes with the
+    first message and only b is sent again (naming c a second time would be a second
+    copy); RFC 5321 section 4.5.3.1.10 and RFC 2920 section 3.1 (replies in order)."""
+    faults = Faults(rcpt_replies={2: b"452 4.5.3 Too many recipients"})
+    async with RecordingServer(faults) as server:
+        result = await send_to(server, RCPTS)
+    assert verdicts(result) == [Verdict.DONE] * 3
+    assert [(r.stage, r.transaction) for r in result.recipients] == [
+        (Stage.END_OF_DATA, 0),
+        (Stage.END_OF_DATA, 1),
+        (Stage.END_OF_DATA, 0),
+    ]
+    rcpt_lines = [c for c in server.commands() if c.startswith(b"RCPT")]
+    assert rcpt_lines[3:] == [b"RCPT TO:<b@x.example>"]  # the second transaction: b only
+    assert len(server.payloads) == 2
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("pipelining", [True, False])
+@async_test
+async def test_rset_before_the_follow_up_mail_when_data_was_refused(pipelining: bool) -> None:
+    """DATA refused (451) leaves the transaction open (RFC 5321 section 4.1.1.5): before
+    the MAIL for the recipient a 452 put off, the client says RSET."""
+    faults = Faults(
+        pipelining=pipelining,
+        rcpt_replies={2: b"452 4.5.3 Too many recipients"},
+        data_reply=b"451 4.3.0 Try later",
+    )
+    async with RecordingServer(faults) as server:
+        result = await send_to(server, ["a@x.example", "b@x.example"])
+    assert [(r.verdict, r.stage, r.transaction) for r in result.recipients] == [
+        (Verdict.DEFER, Stage.DATA, 0),
+        (Verdict.DEFER, Stage.DATA, 1),
+    ]
+    verbs = server.verbs()
+    assert verbs[: verbs.index(b"MAIL", 2) + 1] == [
+        *(b"EHLO", b"MAIL", b"RCPT", b"RCPT", b"DATA"),
+        *(b"RSET", b"MAIL"),
+    ]
+    assert not server.payloads
+
+
+@pytest.mark.integration
+@async_test
 async def test_552_to_the_only_rcpt_defers_it_as_452_would() -> None:
     faults = Faults(rcpt_replies={1: b"552 5.5.3 Too many recipients"})
     async with RecordingServer(faults) as server:
