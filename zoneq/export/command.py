@@ -13,7 +13,7 @@ from zoneq.config import Config, load_config
 from zoneq.errors import ConfigError, StorageUnavailable, StoreLocked
 from zoneq.export.files import Format, MissingDependency
 from zoneq.export.lock import exclusive
-from zoneq.export.run import export_events, export_queue
+from zoneq.export.run import export_events, export_format, export_queue
 from zoneq.export.sources import (
     ApiSource,
     DirectorySource,
@@ -43,8 +43,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser.add_argument(
         "--format",
         choices=[f.value for f in Format],
-        default=Format.PARQUET.value,
-        help="parquet (default; needs the analytics extra) or jsonl; an export keeps its format",
+        default=None,
+        help=(
+            "parquet (the default for a new export; needs the analytics extra) or jsonl; "
+            "an export keeps its format (default: the one OUT holds)"
+        ),
     )
     parser.add_argument(
         "--only", choices=["events", "queue"], default=None, help="export just one of the two"
@@ -65,12 +68,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
         print(f"zoneq export: configuration error:\n{exc}", file=sys.stderr)
         return 2
     data_dir: Path = args.data_dir if args.data_dir is not None else config.server.data_dir
-    fmt = Format(args.format)
+    requested = None if args.format is None else Format(args.format)
     progress = sys.stderr.isatty() if args.progress is None else bool(args.progress)
     try:
         # The export directory first: a second run into it is refused before it opens (and
         # holds) the data directory, and events and queue come from one run.
         with exclusive(args.out), _source(data_dir, config) as source:
+            # Without --format, the export goes on in the format it holds: `--only queue`
+            # into a JSON lines export must not turn its queue into Parquet, which the
+            # analytics job (reading the directory as JSON lines) would not see.
+            fmt = export_format(args.out, requested)
             if args.only != "queue":
                 done = export_events(source, args.out, fmt, progress=progress)
                 mark = "none" if done.after is None else format_id(done.after)

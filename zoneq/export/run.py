@@ -16,11 +16,13 @@ from typing import Any, Final
 
 from zoneq.export import watermark
 from zoneq.export.files import (
+    EVENTS_DIR,
     QUEUE_DIR,
     QUEUE_STEM,
     Format,
     batched,
     discard_unfinished,
+    make_dirs,
     part_name,
     partition_dir,
     utc_day,
@@ -78,14 +80,10 @@ def export_events(
 def _export_events(
     source: Source, out: Path, fmt: Format, *, progress: bool, batch: int
 ) -> EventsExported:
-    mark = watermark.load(out)
-    if mark is None:
-        mark = Watermark(fmt)
-    elif mark.fmt is not fmt:
-        raise ExportError(
-            f"{out} holds a {mark.fmt.value} export; an incremental export must keep its "
-            f"format (use --format {mark.fmt.value}, or a new directory)"
-        )
+    mark = _kept_format(out, fmt)
+    # An idle node's export holds no event yet, but it is an export all the same: the
+    # analytics job takes a directory with events/ for one (an empty day, not an error).
+    make_dirs(out / EVENTS_DIR)
     discarded = discard_unfinished(out, mark.run_start)
     bar = Progress(
         enabled=progress,
@@ -111,6 +109,30 @@ def _export_events(
     return EventsExported(count, files, last, discarded, tuple(corrupt))
 
 
+def export_format(out: Path, requested: Format | None) -> Format:
+    """The format to export into ``out`` in: ``requested``, else the one ``out`` holds
+    (its watermark's), else Parquet.  A ``requested`` format ``out`` does not hold is
+    refused later, by ``export_events`` and ``export_queue``."""
+    if requested is not None:
+        return requested
+    mark = watermark.load(out)
+    return Format.PARQUET if mark is None else mark.fmt
+
+
+def _kept_format(out: Path, fmt: Format) -> Watermark:
+    """``out``'s watermark (a new one in ``fmt`` if it has none), refusing another format:
+    readers take a directory to hold one format, and would miss the other one's files."""
+    mark = watermark.load(out)
+    if mark is None:
+        return Watermark(fmt)
+    if mark.fmt is not fmt:
+        raise ExportError(
+            f"{out} holds a {mark.fmt.value} export; an incremental export must keep its "
+            f"format (use --format {mark.fmt.value}, or a new directory)"
+        )
+    return mark
+
+
 def _write_batch(out: Path, chunk: list[dict[str, Any]], run_start: str, fmt: Format) -> int:
     """One part file per (day, zone) in ``chunk``, each in event order; how many."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -130,6 +152,13 @@ def export_queue(source: Source, out: Path, fmt: Format, *, now_ms: int) -> int:
 
 
 def _export_queue(source: Source, out: Path, fmt: Format, *, now_ms: int) -> int:
+    mark = _kept_format(out, fmt)
+    if mark.after is None:
+        # Before any event, a queue export pins the directory's format as an events export
+        # does (saving the same watermark again changes nothing), and makes the directory
+        # an export the analytics job reads.
+        make_dirs(out / EVENTS_DIR)
+        watermark.save(out, mark)
     path = out / QUEUE_DIR / (QUEUE_STEM + fmt.suffix)
     for other in Format:  # a format switch must not leave the old file for readers
         if other is not fmt:

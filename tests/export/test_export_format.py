@@ -1,0 +1,81 @@
+"""An export directory keeps one format, whichever part is exported, and is an export from
+its first run on (events/ and the watermark), even before any event.
+
+Readers take a directory to hold one format: a queue written as Parquet into a JSON lines
+export is one the analytics job never reads (it reported 0 queued recipients, exit 0).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.export.conftest import Traffic, stopped_directory
+from tests.storage.conftest import StoreFactory, async_test
+from tests.support.command import zoneq
+from zoneq.analytics import inputs
+from zoneq.export import watermark
+from zoneq.export.files import Format
+from zoneq.export.run import export_events, export_queue
+from zoneq.export.sources import DirectorySource
+from zoneq.export.watermark import ExportError
+
+
+@pytest.mark.integration
+def test_only_queue_keeps_the_exports_format_unless_told_another(tmp_path: Path) -> None:
+    data = str(stopped_directory(tmp_path / "queue"))
+    out = tmp_path / "export"
+    first = zoneq("export", str(out), "--data-dir", data, "--format", "jsonl", "--only", "events")
+    assert first.returncode == 0, first.stderr
+    # no --format: the queue is written in the format the export holds
+    queue = zoneq("export", str(out), "--data-dir", data, "--only", "queue")
+    assert queue.returncode == 0, queue.stderr
+    assert (out / "queue" / "current.jsonl").is_file()
+    assert not (out / "queue" / "current.parquet").exists()
+    # another format, asked for, is refused as for the events, and changes nothing
+    other = zoneq("export", str(out), "--data-dir", data, "--only", "queue", "--format", "parquet")
+    assert other.returncode == 1
+    assert "holds a jsonl export; an incremental export must keep its format" in other.stderr
+    assert (out / "queue" / "current.jsonl").is_file()
+    # and a plain run goes on in JSON lines too
+    again = zoneq("export", str(out), "--data-dir", data)
+    assert again.returncode == 0, again.stderr
+    assert "events: 0 exported" in again.stdout
+    assert not any(out.rglob("*.parquet"))
+
+
+@async_test
+async def test_a_first_queue_export_pins_the_format(stores: StoreFactory, tmp_path: Path) -> None:
+    store = stores.open()
+    await Traffic(store).send(3)
+    source = DirectorySource(store)
+    try:
+        assert export_queue(source, tmp_path, Format.JSONL, now_ms=2_000_000_000_000) > 0
+        with pytest.raises(ExportError, match="holds a jsonl export"):
+            export_events(source, tmp_path, Format.PARQUET)
+        with pytest.raises(ExportError, match="holds a jsonl export"):
+            export_queue(source, tmp_path, Format.PARQUET, now_ms=2_000_000_000_000)
+    finally:
+        source.close()
+    mark = watermark.load(tmp_path)
+    assert mark is not None and mark.fmt is Format.JSONL and mark.after is None
+
+
+@pytest.mark.parametrize("only", ["events", "queue"])
+@async_test
+async def test_an_idle_nodes_export_is_an_export(
+    stores: StoreFactory, tmp_path: Path, only: str
+) -> None:
+    """No event yet (an idle node, or only its queue exported): still a directory the
+    analytics job takes, so one idle node does not sink a report over all nodes."""
+    source = DirectorySource(stores.open())
+    try:
+        if only == "events":
+            assert export_events(source, tmp_path / "out", Format.PARQUET).events == 0
+        else:
+            assert export_queue(source, tmp_path / "out", Format.PARQUET, now_ms=1) == 0
+    finally:
+        source.close()
+    assert (tmp_path / "out" / "events").is_dir()
+    assert inputs.normalise([str(tmp_path / "out")]) == [(tmp_path / "out").resolve().as_uri()]
