@@ -7,6 +7,7 @@ file by name.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -97,12 +98,20 @@ def test_files_spark_would_skip_are_skipped(
     assert len(converted_rows(Path(out), "events")) == len(rows)
 
 
+def line(**fields: Any) -> str:
+    """An event's JSON line: ``event(1)``'s columns, with ``fields`` over them (a value of
+    ``...`` leaves the field out)."""
+    row = {**used(event(1)), **fields}
+    return json.dumps({name: value for name, value in row.items() if value is not ...})
+
+
 @pytest.mark.parametrize(
     ("line", "value"),
     [
-        ('{"v": 1, "kind": "accepted", "zone": "z", "extra": [1, 2]}', ("zone", "z")),
+        (line(v=1, zone="z", extra=[1, 2]), ("zone", "z")),
         ('{"kind": "accepted", "zone": "z"}', ("v", None)),  # refused later as "missing"
-        ('{"v": 1, "kind": "accepted", "zone": "z", "text": null}', ("text", None)),
+        (line(v=1, text=None), ("text", None)),
+        (line(v=1, mx=...), ("mx", None)),
     ],
 )
 def test_unknown_fields_are_ignored_and_missing_ones_are_null(
@@ -117,16 +126,59 @@ def test_unknown_fields_are_ignored_and_missing_ones_are_null(
 
 
 @pytest.mark.parametrize(
-    "line",
-    ["{not json", '{"v": "one", "kind": "accepted"}', '{"v": 1, "time_ms": 1.5}'],
+    ("damaged", "reason"),
+    [
+        ("{not json", "not JSON"),
+        ('{"v": "one", "kind": "accepted"}', 'v is not int32: "one"'),
+        ('{"v": 1, "time_ms": 1.5}', "time_ms is not int64: 1.5"),
+        ('{"v": 1, "attempt": 3000000000}', "attempt is not int32: 3000000000"),
+        ('{"v": 1, "zone": 5}', "zone is not string: 5"),
+        ("[1, 2]", "a JSON list, not an object"),
+    ],
 )
-def test_a_damaged_line_names_its_file(tmp_path: Path, line: str) -> None:
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_a_damaged_line_names_its_file_and_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damaged: str, reason: str, streamed: bool
+) -> None:
+    """The line counts from the file's start, from 1, whichever block of pyarrow's it is
+    in (pyarrow's own "row N" counts from its block's start, from 0)."""
+    monkeypatch.setattr(convert, "BLOCK_BYTES", 4096)  # many blocks in a small file
+    if streamed:
+        monkeypatch.setattr(convert, "WHOLE_FILE_BYTES", 0)
     root = tmp_path / "export"
     (root / "events").mkdir(parents=True)
     part = root / "events" / "part-a.jsonl"
-    part.write_text('{"v": 1, "kind": "accepted", "zone": "z"}\n' + line + "\n")
-    with pytest.raises(AnalyticsError, match=r"part-a\.jsonl: not a JSON lines export file: "):
+    part.write_text("\n".join([line()] * 1000 + ["", damaged, line()]) + "\n")
+    with pytest.raises(AnalyticsError) as caught:
         convert.convert([str(root)], tmp_path / "scratch")
+    assert str(caught.value).startswith(
+        f"{part}: line 1002: not a JSON lines export record: {reason}"
+    )
+
+
+@pytest.mark.parametrize("column", ["zone", "time_ms", "kind", "domain", "attempt"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_a_null_where_an_export_writes_none_is_refused_by_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, column: str, streamed: bool
+) -> None:
+    """The report would file such a row under a zone or an hour of None (and crash)."""
+    if streamed:
+        monkeypatch.setattr(convert, "WHOLE_FILE_BYTES", 0)
+    root = tmp_path / "export"
+    (root / "events").mkdir(parents=True)
+    part = root / "events" / "part-a.jsonl"
+    lines = [line(), line(**{column: None}), line(**{column: ...})]
+    part.write_text("\n".join(lines) + "\n")
+    with pytest.raises(AnalyticsError) as caught:
+        convert.convert([str(root)], tmp_path / "scratch")
+    assert str(caught.value) == (
+        f"{part}: line 2: not a JSON lines export record: "
+        f"{column} is null or missing (an export always writes it)"
+    )
+    # a row of a version this zoneq does not read is left to the version check
+    part.write_text("\n".join([line(), line(v=3, **{column: None})]) + "\n")
+    [out] = convert.convert([str(root)], tmp_path / "again")
+    assert len(converted_rows(Path(out), "events")) == 2
 
 
 def test_an_empty_file_is_no_rows(tmp_path: Path) -> None:

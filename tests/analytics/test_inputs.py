@@ -11,6 +11,7 @@ import asyncio
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +106,50 @@ def test_through_hadoop_a_json_export_read_as_parquet_is_refused(
     with pytest.raises(AnalyticsError, match="0 events read as parquet, but the inputs hold"):
         inputs.refuse_empty(0, [uri], "parquet", spark)
     inputs.refuse_empty(1, [uri], "jsonl", spark)  # events read: nothing to refuse
+
+
+@pytest.mark.parametrize(
+    "twice",
+    [
+        lambda export: [str(export), str(export)],
+        lambda export: [str(export), export.as_uri()],
+        lambda export: [f"{export}/", f"{export.parent}/../{export.parent.name}/{export.name}"],
+        lambda export: [str(export), str(export.parent / "link")],  # a symlink to it
+        lambda export: ["hdfs:///exports/node1", "hdfs:///exports/node1/"],
+    ],
+    ids=["same", "uri", "spelt-otherwise", "symlink", "remote"],
+)
+def test_an_export_given_twice_is_refused(
+    jsonl_export: Path, twice: Callable[[Path], list[str]]
+) -> None:
+    """Given twice, a JSON lines export's events were counted twice (a Parquet one's once)."""
+    (jsonl_export.parent / "link").unlink(missing_ok=True)
+    (jsonl_export.parent / "link").symlink_to(jsonl_export)
+    with pytest.raises(AnalyticsError, match=r"^inputs .* are the same export \("):
+        inputs.normalise(twice(jsonl_export))
+
+
+@pytest.mark.parametrize(
+    ("held", "accepted"),
+    [
+        (["events/"], True),
+        (["queue/current.jsonl"], True),  # an older zoneq's first export of a queue alone
+        ([WATERMARK_FILE], True),  # an older zoneq's export of an idle node
+        (["notes.txt", "other/"], False),
+        ([], False),
+    ],
+)
+def test_an_export_is_a_directory_an_export_run_wrote(
+    tmp_path: Path, held: list[str], accepted: bool
+) -> None:
+    for name in held:
+        if name.endswith("/"):
+            (tmp_path / name).mkdir()
+        else:
+            (tmp_path / name).parent.mkdir(exist_ok=True)
+            (tmp_path / name).write_text("")
+    if accepted:
+        assert inputs.normalise([str(tmp_path)]) == [tmp_path.resolve().as_uri()]
+    else:
+        with pytest.raises(AnalyticsError, match="not a zoneq export"):
+            inputs.normalise([str(tmp_path)])

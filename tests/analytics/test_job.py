@@ -253,7 +253,11 @@ def test_another_schema_version_is_refused_clearly(
 
 @pytest.mark.parametrize(
     ("on_driver", "message"),
-    [(True, r"^/.*part-.*\.jsonl: not a JSON lines export file: "), (False, r"^Spark: ")],
+    [
+        (True, r"^/.*part-[^/]*\.jsonl: line \d+: not a JSON lines export record: "),
+        # the file Spark was reading and the parser's message, not Spark's outer wrapper
+        (False, r"^Spark: reading file:/.*/part-[^/]*\.jsonl: .*JsonParseException: "),
+    ],
     ids=["pyarrow", "spark-reader"],
 )
 def test_a_damaged_file_is_one_clear_error(
@@ -266,6 +270,50 @@ def test_a_damaged_file_is_one_clear_error(
         job.build_report(spark, [str(damaged)], tmp_path / "out", json_on_driver=on_driver)
     assert "\n" not in str(caught.value) and "\tat " not in str(caught.value)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", [("zone", "null"), ("time_ms", "missing")], ids="-".join)
+@pytest.mark.parametrize("on_driver", [True, False], ids=["pyarrow", "spark-reader"])
+def test_an_event_without_a_key_column_is_refused_naming_it(
+    spark: Any, exports: Exports, tmp_path: Path, on_driver: bool, damage: tuple[str, str]
+) -> None:
+    """Such a row used to reach the report's charts and end in a Python traceback."""
+    column, how = damage
+    where = (
+        r"^/.*/part-[^/]*\.jsonl: line \d+: not a JSON lines export record: "
+        if on_driver
+        else r"^file:/.*/part-[^/]*\.jsonl: "
+    )
+    damaged = tmp_path / "damaged"
+    shutil.copytree(exports.dirs[Format.JSONL][0], damaged)
+    part = max((damaged / "events").rglob("part-*.jsonl"))
+    rows = [json.loads(line) for line in part.read_text().splitlines()]
+    rows[-1] = {k: v for k, v in rows[-1].items() if k != column}
+    if how == "null":
+        rows[-1][column] = None
+    part.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(AnalyticsError, match=where + f"{column} is null or missing"):
+        job.build_report(spark, [str(damaged)], tmp_path / "out", json_on_driver=on_driver)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("on_driver", [True, False], ids=["pyarrow", "spark-reader"])
+def test_an_idle_nodes_export_adds_no_events_to_the_report(
+    spark: Any, exports: Exports, tmp_path: Path, on_driver: bool
+) -> None:
+    """An older zoneq's export of a node's queue alone (no events/ directory) is a node
+    with no events, not an input that sinks the report over every node."""
+    busy, other = (Path(d) for d in exports.dirs[Format.JSONL])
+    idle = tmp_path / "idle"
+    shutil.copytree(other / "queue", idle / "queue")
+    report = job.build_report(
+        spark, [str(busy), str(idle)], tmp_path / "out", json_on_driver=on_driver
+    )
+    busy_events = sum(
+        len(part.read_text().splitlines()) for part in (busy / "events").rglob("part-*.jsonl")
+    )
+    assert report.events == busy_events > 0
+    assert report.queued == len(exports.queue) > 0  # both nodes' queues
 
 
 # --- the command and the spark-submit script ------------------------------------------------

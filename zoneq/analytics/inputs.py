@@ -20,6 +20,7 @@ from typing import Final
 from urllib.parse import urlparse
 
 from pyspark.sql import DataFrame, DataFrameReader, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from zoneq.analytics.errors import AnalyticsError
@@ -76,19 +77,36 @@ def local_path(uri: str) -> Path | None:
 
 
 def normalise(inputs: Sequence[str]) -> list[str]:
-    """Absolute URIs for Spark; a local input that does not exist is refused here."""
-    roots: list[str] = []
+    """Absolute URIs for Spark, one per export.  Refused here: a local input that does not
+    exist or is not an export, and an export given twice (``/x`` and ``file:///x``, say),
+    which would count its JSON lines events twice (Spark reads each path given) and its
+    Parquet ones once (Spark dedupes those files)."""
+    roots: dict[str, str] = {}  # root -> the input naming it
     for uri in inputs:
-        path = local_path(uri)
-        if path is None:
-            roots.append(uri.rstrip("/"))
-            continue
-        if not path.is_dir():
-            raise AnalyticsError(f"input {uri}: no such export directory")
-        if not (path / "events").is_dir():
-            raise AnalyticsError(f"input {uri}: not a zoneq export (no events/ directory)")
-        roots.append(path.resolve().as_uri())
-    return roots
+        root = _root(uri)
+        if root in roots:
+            raise AnalyticsError(
+                f"inputs {roots[root]} and {uri} are the same export ({root}); give each "
+                "export once"
+            )
+        roots[root] = uri
+    return list(roots)
+
+
+def _root(uri: str) -> str:
+    path = local_path(uri)
+    if path is None:
+        return uri.rstrip("/")
+    if not path.is_dir():
+        raise AnalyticsError(f"input {uri}: no such export directory")
+    # events/ is made by every events export; an older zoneq's export of an idle node, or
+    # of its queue alone, holds only the watermark or queue/, and is an export all the same
+    # (no events: an empty day), which must not sink a report over every node.
+    if not any((path / name).exists() for name in ("events", "queue", WATERMARK_FILE)):
+        raise AnalyticsError(
+            f"input {uri}: not a zoneq export (no events/ or queue/ directory, no watermark)"
+        )
+    return path.resolve().as_uri()
 
 
 def detect_format(inputs: Sequence[str], requested: str, spark: SparkSession | None = None) -> str:
@@ -194,8 +212,28 @@ def _reader(
 
 
 def read_events(spark: SparkSession, roots: Sequence[str], fmt: str) -> DataFrame:
-    frame = _reader(spark, EVENT_COLUMNS, fmt).load([f"{root}/events" for root in roots])
-    return frame.select(*EVENT_USED)
+    """Every input's events; an input without events/ (an idle node's) has none."""
+    return _all_events(spark, roots, fmt).select(*EVENT_USED)
+
+
+def _all_events(spark: SparkSession, roots: Sequence[str], fmt: str) -> DataFrame:
+    present = [f"{root}/events" for root in roots if _exists(spark, f"{root}/events")]
+    if not present:
+        return spark.createDataFrame([], spark_schema(EVENT_COLUMNS))
+    return _reader(spark, EVENT_COLUMNS, fmt).load(present)
+
+
+def file_with_null(spark: SparkSession, roots: Sequence[str], fmt: str, column: str) -> str | None:
+    """The part file of an event of a version this zoneq reads with ``column`` null, or
+    None: a pass over the inputs, for an error message only."""
+    known = F.col("v").isin(*EVENT_VERSIONS)
+    found = (
+        _all_events(spark, roots, fmt)
+        .where(known & F.col(column).isNull())
+        .select(F.input_file_name().alias("file"))
+        .first()
+    )
+    return None if found is None or not found["file"] else str(found["file"])
 
 
 def read_queue(spark: SparkSession, roots: Sequence[str], fmt: str) -> DataFrame | None:
@@ -248,6 +286,7 @@ __all__ = [
     "check_versions",
     "count_versions",
     "detect_format",
+    "file_with_null",
     "hadoop_part_format",
     "held_formats",
     "normalise",

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv
 import pyarrow.parquet
 import pyspark
@@ -71,6 +72,18 @@ TABLES: Final = (
     "queue_domains",
 )
 
+# The keys of the event queries' results that no exported event leaves null, each as
+# (query, result column, the facet rows it is a key of (None: every row), event column).
+NULL_KEYS: Final[tuple[tuple[str, str, int | None, str], ...]] = (
+    ("facets", "zone", None, "zone"),
+    ("facets", "kind", None, "kind"),
+    ("facets", "num", tables.HOURLY, "time_ms"),
+    ("facets", "num", tables.ATTEMPTS, "attempt"),
+    ("facets", "s1", tables.DOMAIN, "domain"),
+    ("delivery", "zone", None, "zone"),
+)
+MAX_CAUSES: Final = 16  # of a JVM exception's cause chain walked (a chain can loop)
+
 log = logging.getLogger(__name__)
 logging.getLogger("py4j").setLevel(logging.WARNING)  # a line per gateway connection
 
@@ -86,13 +99,42 @@ class Report:
 
 def _one_line(exc: BaseException) -> str:
     if isinstance(exc, Py4JJavaError):
-        text = str(exc.java_exception.toString())
+        text = _java_cause(exc.java_exception)
     elif isinstance(exc, PySparkException):
         text = exc.getMessage() or str(exc)
     else:
         text = str(exc)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return (lines[0] if lines else type(exc).__name__)[:600]
+
+
+def _java_cause(error: Any) -> str:
+    """What a JVM exception says went wrong: its innermost cause, after the file it was
+    reading when a layer says which (Spark's FAILED_READ_FILE).
+
+    A task's failure reaches the driver wrapped in layers ("Exception thrown in
+    awaitResult", then FAILED_READ_FILE with the path, MALFORMED_RECORD_IN_PARSING, and
+    last the parser's own message); the outermost line names neither the file nor what is
+    wrong in it."""
+    chain = [error]
+    while len(chain) < MAX_CAUSES and (cause := chain[-1].getCause()) is not None:
+        chain.append(cause)
+    innermost = str(chain[-1].toString())
+    for layer in chain[:-1]:
+        if (path := _file_read(layer)) is not None:
+            return f"reading {path}: {innermost}"
+    return innermost
+
+
+def _file_read(error: Any) -> str | None:
+    """The path of Spark's FAILED_READ_FILE error (a SparkThrowable), else None."""
+    try:
+        if not str(error.getCondition()).startswith("FAILED_READ_FILE"):
+            return None
+        path = error.getMessageParameters().get("path")
+    except Py4JError:  # not a SparkThrowable: no such method
+        return None
+    return None if path is None else str(path)
 
 
 @contextlib.contextmanager
@@ -202,6 +244,7 @@ def _build(
                 }
                 try:
                     for done in as_completed(running):
+                        _refuse_null_keys(running[done], done.result(), spark, roots, fmt)
                         rows = results.add(running[done], done.result())
                         log.debug("%s: %.1f s", running[done], time.monotonic() - started)
                         charts.update(report.draw_charts(rows))
@@ -230,6 +273,26 @@ def _build(
     page.write_text(html, encoding="utf-8")
     log.debug("report written: %.1f s", time.monotonic() - started)
     return Report(count, queued, rows, page, time.monotonic() - started)
+
+
+def _refuse_null_keys(
+    query: str, result: pa.Table, spark: SparkSession, roots: Sequence[str], fmt: str
+) -> None:
+    """``AnalyticsError`` naming a part file and the column if ``query``'s result has a
+    null key from an event that never has one (else nothing): the report would file its
+    rows under a zone or an hour of None, and fail drawing them."""
+    for name, column, facet, source in NULL_KEYS:
+        if name != query:
+            continue
+        values = result if facet is None else result.filter(pc.equal(result["facet"], facet))
+        if pc.any(pc.is_null(values[column])).as_py():
+            events = inputs.read_events(spark, roots, fmt)
+            # A row of a version this zoneq does not read may lack any column: say that.
+            inputs.check_versions(inputs.count_versions(events), EVENT_VERSIONS, "event")
+            where = inputs.file_with_null(spark, roots, fmt, source) or "the event export"
+            raise AnalyticsError(
+                f"{where}: {source} is null or missing in an event (an export always writes it)"
+            )
 
 
 def _refuse_other_versions(events: DataFrame, queue: DataFrame) -> None:
