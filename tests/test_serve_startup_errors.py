@@ -3,7 +3,8 @@ processes: each is one line naming the config key and the path, a non-zero exit 
 no Python traceback.
 
 * ``server.data_dir`` that cannot be created (under a regular file) or is a regular file;
-* ``server.ipc_socket`` that another zoneq (other data directory, other ports) serves;
+* ``server.ipc_socket`` that another zoneq (other data directory, other ports) serves, or
+  under a regular file (a missing directory for it is created, mode 0700);
 * a worker started with no core listening;
 * ``api.token_file`` missing: check-config says so, as serve does; readable by group or
   others: a warning from both, not a refusal.
@@ -11,6 +12,7 @@ no Python traceback.
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 import pytest
@@ -58,6 +60,34 @@ def test_a_second_serve_on_the_same_ipc_socket_is_one_line_naming_the_key(
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (  # after the queue's "open" line
         f"zoneq: server.ipc_socket {socket_path}: another process is accepting connections on it"
+    )
+
+
+def test_a_missing_directory_for_the_ipc_socket_is_created_0700(tmp_path: Path) -> None:
+    config = a_config(tmp_path / "zoneq")
+    socket_path = tmp_path / "run" / "zoneq" / "zoneq.sock"
+    set_config_line(config, "api", f'ipc_socket = "{socket_path!s}"')
+    with running_serve(config, tmp_path / "serve.log"):
+        assert socket_path.is_socket()
+        assert stat.S_IMODE(socket_path.parent.stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize(
+    ("where", "reason"),
+    [("a-file/zoneq.sock", "File exists"), ("a-file/run/zoneq.sock", "Not a directory")],
+)
+def test_an_ipc_socket_under_a_regular_file_is_one_line_naming_the_key(
+    tmp_path: Path, where: str, reason: str
+) -> None:
+    (tmp_path / "a-file").write_text("not a directory\n")
+    config = a_config(tmp_path / "zoneq")
+    socket_path = tmp_path / where
+    set_config_line(config, "api", f'ipc_socket = "{socket_path!s}"')
+    done = zoneq("serve", "--config", str(config))
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (  # after the queue's "open" line
+        f"zoneq: server.ipc_socket {socket_path}: cannot create its directory: {reason}"
     )
 
 

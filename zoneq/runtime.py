@@ -44,7 +44,7 @@ from zoneq.ipc.intake_messages import (
     ReceivedRecipient,
 )
 from zoneq.ipc.intake_server import IntakeServer
-from zoneq.ipc.server import IpcServer, SocketInUse
+from zoneq.ipc.server import IpcServer, SocketInUse, SocketUnusable
 from zoneq.plugin import PluginHost
 from zoneq.queue.service import QueueService
 from zoneq.receiver.server import SmtpReceiver
@@ -153,7 +153,7 @@ async def serve(config: Config, config_path: Path | None = None) -> None:
         server = IpcServer(Path(config.server.ipc_socket), handler)
         try:
             await server.start()
-        except SocketInUse as exc:
+        except (SocketInUse, SocketUnusable) as exc:
             raise ListenError(f"server.ipc_socket {exc}") from None
         running.push_async_callback(server.close)
         supervisor = Supervisor(

@@ -7,6 +7,9 @@ connect: a worker can lease mail and report its fate, which nobody else may do. 
 is bound, then chmod-ed, and only then listened on; until ``listen()`` a connect is refused,
 so there is no moment when the socket is open to others.  A socket file left by a core that
 died is removed at start; one that still answers belongs to a live core and is left alone.
+A missing directory for the socket is created, mode 0700 like a runtime directory (only our
+own user has business there); one that cannot be (a regular file in the way) is a
+``SocketUnusable`` naming the path, as is a bind the kernel refuses.
 
 Each connection is served by a reader loop.  The first request must be ``Hello``; it is
 handled inline (nothing else is read until it is answered), so requests pipelined behind it
@@ -69,7 +72,7 @@ from zoneq.ipc.messages import (
     seal,
 )
 
-__all__ = ["ConnectionInfo", "CoreHandler", "IpcServer", "SocketInUse"]
+__all__ = ["ConnectionInfo", "CoreHandler", "IpcServer", "SocketInUse", "SocketUnusable"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,11 @@ _BACKLOG: Final = 128
 
 class SocketInUse(ZoneqError):
     """Another process is accepting connections on the socket path."""
+
+
+class SocketUnusable(ZoneqError):
+    """The socket path cannot be bound: its directory cannot be created, or the kernel
+    refuses the bind (permissions, a read-only file system)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,10 +155,11 @@ class IpcServer:
     async def start(self) -> None:
         if self._server is not None:
             raise RuntimeError("IpcServer already started")
+        _make_directory(self.path)
         await _remove_stale_socket(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.bind(os.fspath(self.path))
+            _bind(sock, self.path)
             os.chmod(self.path, 0o600)
             # Remembered so close() removes the file only if it is still ours.
             self._inode = os.stat(self.path).st_ino
@@ -371,6 +380,22 @@ class _Connection:
         with contextlib.suppress(OSError, asyncio.CancelledError):
             await self._writer.wait_closed()
         log.info("IPC %s: disconnected", self._info.owner)
+
+
+def _make_directory(path: Path) -> None:
+    """Create the socket's directory if it is missing (its own ancestors too)."""
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise SocketUnusable(f"{path}: cannot create its directory: {reason}") from None
+
+
+def _bind(sock: socket.socket, path: Path) -> None:
+    try:
+        sock.bind(os.fspath(path))
+    except OSError as exc:
+        raise SocketUnusable(f"{path}: cannot bind: {exc.strerror or exc}") from None
 
 
 async def _remove_stale_socket(path: Path) -> None:
