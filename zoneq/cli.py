@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from zoneq import __version__, logs
-from zoneq.config import Config, load_config
+from zoneq.config import Config, load_config, loads_config
+from zoneq.config.loader import config_source, read_config_text
 from zoneq.errors import ConfigError, DataDirError, ListenError, StoreLocked
 
 # Started by ``zoneq serve``, never by hand: their parsers are all these processes need.
@@ -23,14 +24,17 @@ _INTERNAL = frozenset({"worker", "receiver"})
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.config)
+        # Read once: this text, not the file as it may be edited later, is what every
+        # worker runs (the supervisor hands it to them; there is no reload).
+        text = read_config_text(args.config)
+        config = loads_config(text, source=config_source(args.config))
     except ConfigError as exc:
         print(f"zoneq: configuration error:\n{exc}", file=sys.stderr)
         return 2
     from zoneq import runtime
 
     try:
-        runtime.run(config, args.config)
+        runtime.run(config, args.config, text)
     except ConfigError as exc:  # found at start-up: a plugin's init refused (issue 5)
         print(f"zoneq: configuration error:\n{exc}", file=sys.stderr)
         return 2
@@ -40,9 +44,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker_config(args: argparse.Namespace) -> Config:
+    """A worker's config: with ``--config-on-stdin`` the text serve loaded at its start
+    (``--config`` only names it), so an edit of the file since then reaches no restarted
+    worker (there is no reload); else the file, for a worker started by hand."""
+    if not args.config_on_stdin:
+        return load_config(args.config)
+    text = sys.stdin.buffer.read().decode("utf-8")  # serve read it as UTF-8
+    return loads_config(text, source=config_source(args.config))
+
+
 def _cmd_worker(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.config)
+        config = _worker_config(args)
     except ConfigError as exc:
         print(f"zoneq worker: configuration error:\n{exc}", file=sys.stderr)
         return 2
@@ -116,6 +130,11 @@ def build_parser(*, internal_only: bool = False) -> argparse.ArgumentParser:
     work.add_argument("--zone", required=True)
     work.add_argument("--name", required=True)
     work.add_argument("--config", type=Path, default=None)
+    work.add_argument(
+        "--config-on-stdin",
+        action="store_true",
+        help="read the config's text from stdin (serve's), --config only naming it",
+    )
     work.set_defaults(func=_cmd_worker)
 
     rx = sub.add_parser("receiver", help="an SMTP receiver (started by serve, not by hand)")

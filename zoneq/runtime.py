@@ -121,15 +121,19 @@ async def maintain(store: QueueStore, config: Config) -> None:
         log.info("maintenance: swept %d orphan(s), trimmed %d event(s)", swept, trimmed)
 
 
-def run(config: Config, config_path: Path | None = None) -> None:
+def run(config: Config, config_path: Path | None = None, config_text: str | None = None) -> None:
     """``serve`` on uvloop (asyncio's API on libuv): the receiver's cost per message is
     mostly event-loop work per socket event, and uvloop does it in C (about 10% less CPU
     per accepted message in tools/bench/accept_bench.py)."""
-    uvloop.run(serve(config, config_path))
+    uvloop.run(serve(config, config_path, config_text))
 
 
-async def serve(config: Config, config_path: Path | None = None) -> None:
-    """Run until SIGTERM or SIGINT, then stop the workers and close the store cleanly."""
+async def serve(
+    config: Config, config_path: Path | None = None, config_text: str | None = None
+) -> None:
+    """Run until SIGTERM or SIGINT, then stop the workers and close the store cleanly.
+    ``config_text`` is the text ``config`` was loaded from (``config_path``), which every
+    worker is handed (``Supervisor``)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -160,6 +164,7 @@ async def serve(config: Config, config_path: Path | None = None) -> None:
             {name: zone.processes for name, zone in config.zones.items()},
             config_path,
             grace=WORKER_GRACE_S,
+            config_text=config_text,
         )
         running.push_async_callback(supervisor.stop)
         promoter = asyncio.create_task(service.run(stop))

@@ -2,7 +2,7 @@
 
 Two kinds of children, one supervisor class:
 
-* zone workers, ``python -m zoneq worker --zone Z --name N [--config F]``
+* zone workers, ``python -m zoneq worker --zone Z --name N --config-on-stdin [--config F]``
   (``Supervisor(workers, ...)``);
 * SMTP receiver processes, ``python -m zoneq receiver --name R --listen-fd L --intake-fd I
   [--tls-listen-fd T] [--config F]`` (``Supervisor.receivers``).  Each start (a restart
@@ -12,11 +12,20 @@ Two kinds of children, one supervisor class:
   whose other end the core serves with ``IntakeServer``: the child's queue, and the way
   the core sees it die (EOF) and abandons what it had in progress.
 
-A child that exits while zoneq is running is restarted after a delay that doubles with each
-quick failure (1 s up to 30 s), so a child that cannot start does not spin.  On shutdown
-every child gets SIGTERM (a worker finishes the jobs in hand, a receiver answers 421 and
-finishes or abandons its messages), then SIGKILL after ``grace`` seconds; always by PID,
-and only the processes started here.  serve stops the receivers' supervisor first.
+Every worker, a restarted one too, is handed the text of the configuration the core loaded
+(``config_text``) on its stdin, and ``F`` only names it: zoneq has no reload (README), so a
+file edited while it runs must reach no worker, or one zone would run two configs at once
+(and a zone renamed in the file would leave its restarted workers refusing to start while
+the core routes mail into it).  Paths in the config mean what they meant to the core:
+relative ones are relative to the working directory, which the children inherit.  Receiver
+processes still read ``F`` at each start.
+
+A child that exits while zoneq is running is restarted after a delay (``Backoff``): 1 s
+after a crash, doubled with each quick crash after it up to 30 s, so a child that cannot
+start does not spin.  On shutdown every child gets SIGTERM (a worker finishes the jobs in
+hand, a receiver answers 421 and finishes or abandons its messages), then SIGKILL after
+``grace`` seconds; always by PID, and only the processes started here.  serve stops the
+receivers' supervisor first.
 """
 
 from __future__ import annotations
@@ -28,18 +37,35 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("zoneq.supervisor")
 
-MIN_DELAY_S = 1.0
-MAX_DELAY_S = 30.0
-STABLE_S = 60.0  # a child that ran this long resets the delay
+# How a child is run: ``python -m zoneq <kind> ...``, with this interpreter.
+ZONEQ_COMMAND = (sys.executable, "-m", "zoneq")
 
 # Attaches the core's end of a new socket pair to the intake server, under a child's name.
 Attach = Callable[[socket.socket, str], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """How long a child that exited waits to be started again: ``first`` seconds after its
+    first crash, twice the previous delay after each quick crash that follows, at most
+    ``cap``; a child that ran ``stable`` seconds before it exited starts over at ``first``."""
+
+    first: float = 1.0
+    cap: float = 30.0
+    stable: float = 60.0
+
+    def after(self, previous: float, ran: float) -> float:
+        """The delay before the next start of a child that ran ``ran`` seconds; ``previous``
+        is the delay before the start that just ended (0.0 for the first start)."""
+        if previous == 0.0 or ran >= self.stable:
+            return self.first
+        return min(previous * 2, self.cap)
 
 
 @dataclass
@@ -48,7 +74,7 @@ class _Slot:
     name: str
     args: list[str]
     process: asyncio.subprocess.Process | None = None
-    delay: float = MIN_DELAY_S
+    delay: float = 0.0  # before the current start: none for the first one
     started: float = 0.0
     restarts: int = 0
     task: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -74,15 +100,28 @@ class _Sockets:
 
 class Supervisor:
     def __init__(
-        self, workers: dict[str, int], config_path: Path | None, grace: float = 30.0
+        self,
+        workers: dict[str, int],
+        config_path: Path | None,
+        grace: float = 30.0,
+        *,
+        config_text: str | None = None,
+        backoff: Backoff = Backoff(),
+        command: Sequence[str] = ZONEQ_COMMAND,
     ) -> None:
+        """``config_text``: the text the core loaded from ``config_path`` (the embedded
+        default if None), handed to every child; without it each child reads
+        ``config_path`` when it starts.  ``command`` runs zoneq."""
         self._slots = [
             _Slot("worker", f"{zone}-{n}", ["--zone", zone, "--name", f"{zone}-{n}"])
             for zone, count in sorted(workers.items())
             for n in range(count)
         ]
         self._config_path = config_path
+        self._config_text = None if config_text is None else config_text.encode()
         self._grace = grace
+        self._backoff = backoff
+        self._zoneq = tuple(command)
         self._stopping = False
         self._sockets: _Sockets | None = None
 
@@ -107,7 +146,9 @@ class Supervisor:
         return supervisor
 
     def _command(self, slot: _Slot, *extra: str) -> list[str]:
-        command = [sys.executable, "-m", "zoneq", slot.kind, *slot.args, *extra]
+        command = [*self._zoneq, slot.kind, *slot.args, *extra]
+        if self._config_text is not None:
+            command.append("--config-on-stdin")
         if self._config_path is not None:
             command += ["--config", str(self._config_path)]
         return command
@@ -119,20 +160,37 @@ class Supervisor:
 
     async def _spawn(self, slot: _Slot) -> None:
         if self._sockets is None:
-            slot.process = await asyncio.create_subprocess_exec(*self._command(slot))
+            slot.process = await self._exec(self._command(slot))
         else:
             core_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 await self._sockets.attach(core_end, slot.name)
                 fds, fd_args = self._sockets.fd_args(child_end.fileno())
                 command = self._command(slot, *fd_args)
-                slot.process = await asyncio.create_subprocess_exec(*command, pass_fds=fds)
+                slot.process = await self._exec(command, pass_fds=fds)
             finally:
                 # The child has its copy; ours must go, or the core would never see EOF
                 # when the child dies.
                 child_end.close()
         slot.started = time.monotonic()
         log.info("%s %s started (pid %d)", slot.kind, slot.name, slot.process.pid)
+
+    async def _exec(
+        self, command: list[str], pass_fds: Sequence[int] = ()
+    ) -> asyncio.subprocess.Process:
+        """Start ``command`` and write the config's text, if any, to its stdin, then EOF."""
+        if self._config_text is None:
+            return await asyncio.create_subprocess_exec(*command, pass_fds=pass_fds)
+        process = await asyncio.create_subprocess_exec(
+            *command, stdin=asyncio.subprocess.PIPE, pass_fds=pass_fds
+        )
+        assert process.stdin is not None
+        process.stdin.write(self._config_text)
+        # A child that died before reading it all breaks the pipe: _watch sees it exit.
+        with contextlib.suppress(ConnectionError):
+            await process.stdin.drain()
+        process.stdin.close()
+        return process
 
     async def _watch(self, slot: _Slot) -> None:
         while not self._stopping:
@@ -141,9 +199,9 @@ class Supervisor:
             if self._stopping:
                 return
             ran = time.monotonic() - slot.started
-            slot.delay = MIN_DELAY_S if ran >= STABLE_S else min(slot.delay * 2, MAX_DELAY_S)
+            slot.delay = self._backoff.after(slot.delay, ran)
             log.warning(
-                "%s %s (pid %d) exited with %s after %.1f s; restarting in %.0f s",
+                "%s %s (pid %d) exited with %s after %.1f s; restarting in %.3g s",
                 slot.kind,
                 slot.name,
                 slot.process.pid,

@@ -33,12 +33,14 @@ __all__ = [
     "InvalidConfig",
     "Problem",
     "check_config",
+    "config_source",
     "default_config_text",
     "dotted_key",
     "load_config",
     "load_plugin",
     "loads_config",
     "problems_from",
+    "read_config_text",
     "toml_string",
     "validate_config",
 ]
@@ -92,8 +94,20 @@ def load_config(path: Path | None = None) -> Config:
     Raises ``ConfigError`` if the file cannot be read, and ``InvalidConfig`` (a
     ``ConfigError``) listing every fault if it is not valid TOML or not a valid config.
     """
+    return loads_config(read_config_text(path), source=config_source(path))
+
+
+def config_source(path: Path | None) -> str:
+    """How messages name the configuration at ``path`` (the embedded default if None)."""
+    return f"<embedded {DEFAULT_CONFIG_NAME}>" if path is None else str(path)
+
+
+def read_config_text(path: Path | None) -> str:
+    """The text of the configuration at ``path`` (the embedded default if None), unparsed:
+    serve hands the very text it loaded to its workers.  Raises ``ConfigError`` if the file
+    cannot be read or is not UTF-8."""
     if path is None:
-        return loads_config(default_config_text(), source=f"<embedded {DEFAULT_CONFIG_NAME}>")
+        return default_config_text()
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -101,13 +115,12 @@ def load_config(path: Path | None = None) -> Config:
     except OSError as exc:
         raise ConfigError("", f"cannot read config file {str(path)!r}: {exc.strerror}") from None
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         # TOML files are UTF-8 by definition; give the offset so the byte can be found.
         raise ConfigError(
             "", f"config file {str(path)!r} is not UTF-8 (bad byte at offset {exc.start})"
         ) from None
-    return loads_config(text, source=str(path))
 
 
 def loads_config(text: str, source: str = "<string>") -> Config:
