@@ -49,6 +49,9 @@ client's ten minutes at the final dot (RFC 5321 section 4.5.3.2.6), and a client
 up retries, a duplicate if the message was stored meanwhile.  Past the deadline the
 message gets 451 4.3.0 and nothing is stored.
 
+A plugin's reply goes to the client only as SMTP allows a reply (``for_client``): its text
+printable ASCII, each line within 512 octets.  A plugin's text is not trusted to be either.
+
 A plugin that raises, hangs past its time limit or returns garbage is a local fault
 (``PluginFailure``): the command gets 451 4.3.0, never a 5xx (the client keeps the message
 and retries, RFC 5321 section 4.2.1), and the failure is logged.
@@ -60,8 +63,11 @@ plugins the accept path pays for nothing but the routing rules.
 from __future__ import annotations
 
 import logging
+import re
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Final
 
 from zoneq.config.model import Config
 from zoneq.ipc.intake_messages import DroppedRecipient, ReceivedRecipient
@@ -81,7 +87,7 @@ from zoneq.protocol.replies import LOCAL_ERROR, Reply
 from zoneq.queue.consults import ROUTE_DEADLINE_S, RoutingTooSlow, consult_all
 from zoneq.queue.routing import HEADER, Route, Router
 
-__all__ = ["Accepted", "ReceiveHooks", "Routed", "SessionFactory"]
+__all__ = ["Accepted", "ReceiveHooks", "Routed", "SessionFactory", "for_client"]
 
 log = logging.getLogger("zoneq.receiver")
 
@@ -89,6 +95,17 @@ SessionFactory = Callable[[], Session]
 """Builds the hook's view of the SMTP session; called only when a plugin will see it."""
 
 _PLUGIN_RULE = "plugin:"
+
+# RFC 5321 section 4.5.3.1.5: a reply line is at most 512 octets, its code and CRLF included.
+_MAX_REPLY_LINE: Final = 512
+# A plugin's text past this many lines is cut: it explains a refusal to a person, and a
+# client reads (and may log) every line of it.
+_MAX_REPLY_LINES: Final = 8
+# RFC 5321 section 4.2: reply text is printable US-ASCII (and HT).  Kept so in an SMTPUTF8
+# session too: a refusal's text is for a person reading a client's log, and no client is
+# relied on to decode UTF-8 there.  Controls (HT too) and the rest become "?", as Postfix's
+# printable() does.
+_NOT_PRINTABLE: Final = re.compile(r"[^\x20-\x7e]")
 
 Accepted = tuple[list[ReceivedRecipient], tuple[DroppedRecipient, ...]]
 """At the final dot: the recipients to queue, and those dropped (with their events)."""
@@ -136,7 +153,9 @@ class ReceiveHooks:
             result = await self._call(Hook.SMTP_AUTH, args)
         except PluginFailure as exc:
             return exc.reply
-        return result.reply if result.reply is not None else result.authenticated
+        if result.reply is not None:
+            return for_client(result.reply)
+        return result.authenticated
 
     async def mail_from(self, who: SessionFactory, sender: str) -> Reply | None:
         """A plugin's refusal of MAIL FROM, or None to go on."""
@@ -166,7 +185,9 @@ class ReceiveHooks:
             return exc.reply
         if isinstance(decided, Drop):
             return DroppedRecipient(recipient, decided.zone or rules.zone, decided.reason)
-        if not isinstance(decided, Route) or not self._rcpt_hook:
+        if isinstance(decided, Reply):
+            return for_client(decided)
+        if not self._rcpt_hook:
             return decided
         args = RcptToArgs(who(), sender, recipient, decided.zone)
         refusal = await self._refusal(Hook.SMTP_RCPT_TO, args)
@@ -262,7 +283,7 @@ class ReceiveHooks:
                     zone,
                     verdict,
                 )
-                return verdict
+                return for_client(verdict)
             else:
                 log.warning(
                     "message from %s: %s refused in zone %s (routing header), dropped: %s",
@@ -274,7 +295,7 @@ class ReceiveHooks:
                 refusals.append(verdict)
                 dropped.append(DroppedRecipient(rcpt.address, zone, str(verdict)))
         if refusals and len(refusals) == len(routed):
-            return refusals[0]  # every recipient refused: the message is
+            return for_client(refusals[0])  # every recipient refused: the message is
         return recipients, tuple(dropped)
 
     async def _refusal(self, hook: Hook, args: object) -> Reply | None:
@@ -282,7 +303,7 @@ class ReceiveHooks:
             result = await self._call(hook, args)
         except PluginFailure as exc:
             return exc.reply
-        return result.reply
+        return None if result.reply is None else for_client(result.reply)
 
     async def _call(self, hook: Hook, args: object) -> HookResult:
         assert self._plugins is not None  # only called for hooks found live at start
@@ -291,6 +312,26 @@ class ReceiveHooks:
         except PluginFailure as exc:
             log.error("%s", exc)
             raise
+
+
+def for_client(reply: Reply) -> Reply:
+    """A plugin's ``reply`` as it may go to the client: each line's text printable ASCII
+    (``_NOT_PRINTABLE``) and cut into lines that fit 512 octets on the wire, at spaces
+    where it can be (the multi-line form of RFC 5321 section 4.2.1), at most
+    ``_MAX_REPLY_LINES`` of them.  A reply that is already so is returned as it is."""
+    # Every line of the wire form carries the code, "-" or " ", the enhanced code and a
+    # space (RFC 2034 section 4), and CRLF.
+    prefix = 4 if reply.enhanced is None else 5 + len(str(reply.enhanced))
+    width = _MAX_REPLY_LINE - prefix - 2
+    if len(reply.lines) <= _MAX_REPLY_LINES and all(
+        len(line) <= width and not _NOT_PRINTABLE.search(line) for line in reply.lines
+    ):
+        return reply
+    lines: list[str] = []
+    for line in reply.lines:
+        printable = _NOT_PRINTABLE.sub("?", line)
+        lines += textwrap.wrap(printable, width, break_on_hyphens=False) or [printable.strip()]
+    return replace(reply, lines=tuple(lines[:_MAX_REPLY_LINES]))
 
 
 def _moved(entry: Routed, zone: str) -> bool:
