@@ -20,7 +20,9 @@ same MX address is tried again from another pool address of the family.  Only wh
 family has none left does the walk skip that family's MX addresses, which would fail to
 bind alike.  When every address was skipped as resting, the recipients are deferred with
 the failure that put the first of them to rest (``<host>[<ip>] resting after: ...``), so a
-bounce at expiry says what was wrong (RFC 3464 section 2.3.6).
+bounce at expiry says what was wrong (RFC 3464 section 2.3.6).  Except on the job's last
+attempt before expiry (``Job.last_attempt``): then no address rests, since a host back
+within its dead period must be tried before its recipients bounce.
 
 One attempt connects to at most ``max_addresses`` addresses (``[delivery]
 max_mx_addresses``, Postfix's ``smtp_mx_address_limit``, 5); the rest wait for the next
@@ -278,8 +280,11 @@ class _Walk:
 
     def _skip(self, host_name: str, address: str) -> bool:
         """Skip ``address`` in this walk: the dead-host cache rests it, or no source of its
-        family can be bound.  The first one resting is remembered for the reports."""
-        if self.dead_hosts.is_dead(address):
+        family can be bound.  The first one resting is remembered for the reports.  On the
+        job's last attempt (``Job.last_attempt``) nothing rests: the recipients bounce
+        after it, and a host back within its dead period must get its try first; a
+        failure is still marked (``_mark``)."""
+        if not self.job.last_attempt and self.dead_hosts.is_dead(address):
             self._resting = self._resting or (host_name, address)
             return True
         family = self._family(address)

@@ -129,6 +129,7 @@ def _job(job: queue.Job) -> Job:
         body_8bit=job.body_8bit,
         rested=tuple(sorted(job.rested)),
         slot=job.slot,
+        last_attempt=job.last_attempt,
         recipients=tuple(
             JobRecipient(
                 token=r.token,

@@ -30,7 +30,8 @@ waiting, so the reply is never held up by an empty queue (a worker that gets no 
 with a waiting ``LeaseRequest``) and a worker told to stop still has its report answered
 at once.  Both fields are optional on the wire: a core that does not know ``lease_jobs``
 ignores it and answers without ``jobs``, which a worker takes as "no job ready".
-Likewise ``Job.rested`` (source addresses resting for the job's domain): absent means none.
+Likewise ``Job.rested`` (source addresses resting for the job's domain): absent means none,
+and ``Job.last_attempt`` (the retry schedule's last try before expiry): absent is false.
 
 Connection slots (issue 5): the core's limits per domain and per MX host count connections
 open at the remote end, idle ones a worker keeps for reuse included.  ``Job.slot`` names
@@ -536,9 +537,16 @@ class Job:
     # worker keeps under it already is the one to use.  Optional on the wire: 0 (a core
     # that does not send it) means none, and the worker keeps connections as it likes.
     slot: int = 0
+    # The recipients expire after this attempt (the core hands the job out at or past the
+    # retry schedule's expiry): the worker tries every MX address, resting ones included,
+    # since the schedule promises one last attempt at the end of the message's life
+    # (``RetrySchedule.next_attempt``) and a bounce must follow a real try.  On the wire
+    # only when true, as ``RecipientReport.relayed``: absent is false (a core that does not
+    # send it), and a worker that does not know it skips resting addresses, as before.
+    last_attempt: bool = False
 
     def to_wire(self) -> dict[str, object]:
-        return {
+        body: dict[str, object] = {
             "slot": self.slot,
             "rested": list(self.rested),
             "body": self.body,
@@ -553,6 +561,9 @@ class Job:
             "body_8bit": self.body_8bit,
             "recipients": [recipient.to_wire() for recipient in self.recipients],
         }
+        if self.last_attempt:
+            body["last_attempt"] = True
+        return body
 
     @classmethod
     def from_wire(cls, body: _Body, where: str) -> Job:
@@ -570,6 +581,7 @@ class Job:
             body=_opt_bytes(body, "body", where),
             rested=_opt_str_tuple(body, "rested", where),
             slot=_opt_count(body, "slot", where),
+            last_attempt=_opt_flag(body, "last_attempt", where),
         )
 
 

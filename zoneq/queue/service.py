@@ -122,6 +122,7 @@ class Job:
     body: bytes | None = None  # the whole body when it is one chunk: saves the worker a fetch
     rested: frozenset[str] = frozenset()  # source addresses to avoid for this domain now
     slot: int = 0  # the connection slot it holds (``slots.py``); the worker keeps it idle
+    last_attempt: bool = False  # its recipients expire after it: resting MX hosts are tried
 
 
 @dataclass(frozen=True, slots=True)
@@ -472,6 +473,7 @@ class QueueService:
         feedback = state.slots.feedback
         job = Job(
             slot=slot,
+            last_attempt=self._expiring(state, meta.msg_id),
             rested=feedback.rested(planned.domain) if feedback is not None else frozenset(),
             body=self._inline_body(meta),
             msg_id=meta.msg_id,
@@ -505,6 +507,12 @@ class QueueService:
         for lease in planned.items:
             self._leases[lease.token] = (lease, job_id)
         return job
+
+    def _expiring(self, state: _Zone, msg_id: int) -> bool:
+        """Is this the message's last attempt: a failure now finds the schedule given up
+        (``_next_attempt``)?  The schedule put the try at the expiry time itself, so it must
+        be a real one: the worker then ignores its dead-host cache for the job."""
+        return self._clock() >= state.schedule.expires_at(id_time_ms(msg_id))
 
     def _inline_body(self, meta: MessageMeta) -> bytes | None:
         """A one-chunk body travels with its job.  One the core cannot read now (missing,
