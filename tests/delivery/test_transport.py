@@ -432,6 +432,31 @@ def test_a_bare_cr_in_the_text_of_a_550_to_rcpt_still_bounces() -> None:
 
 
 @pytest.mark.integration
+def test_a_bare_cr_in_a_refused_ehlo_still_falls_back_to_helo() -> None:
+    """The refusal is read, CR and all (the client acts on the code, RFC 5321 section
+    4.2), so a 5yz to EHLO still gets HELO (section 3.2) instead of the next host."""
+    result, server = against(
+        Faults(),
+        server_type=ehlo_answered(b"502 5.5.2 Error: command\r not recognized"),
+        recipients=["a@x.example"],
+    )
+    assert [r.verdict for r in result.recipients] == [Verdict.DONE]
+    assert server.verbs()[:3] == [b"EHLO", b"HELO", b"MAIL"]
+
+
+@pytest.mark.integration
+def test_a_bare_cr_in_a_refused_greeting_keeps_its_code_and_text() -> None:
+    result, _ = against(
+        Faults(greeting=b"554 5.7.1 blocked\rusing zen.spamhaus.org"), recipients=["a@x.example"]
+    )
+    [recipient] = result.recipients
+    assert recipient.stage is Stage.GREETING
+    assert recipient.reply == Reply(
+        554, ("blocked using zen.spamhaus.org",), EnhancedStatus(5, 7, 1)
+    )
+
+
+@pytest.mark.integration
 def test_a_slow_final_reply_is_waited_for() -> None:
     # The server takes 2 s to answer the dot (a content scan).  With a DATA-termination
     # timeout above that there is one copy, delivered.  With a short one for everything

@@ -268,12 +268,14 @@ def reply_from_text(code: int, text: str) -> Reply:
     """Build a ``Reply`` from a code and newline-joined text, as SMTP client libraries give.
 
     The enhanced code is extracted the same way as in ``parse_reply``.  Raises
-    ``ProtocolError`` for an out-of-range code or a CR in the text.
+    ``ProtocolError`` for an out-of-range code.  The text is a remote server's: a CR in it
+    (trailing, or inside as in "554 5.7.1 blocked<CR>using ...") is dropped or made a space,
+    as the delivery reader does for the replies after the greeting: the client acts on the
+    code (RFC 5321 section 4.2), and refusing the reply would lose it (no HELO after a
+    refused EHLO, no block-list rule for a refused greeting).
     """
     _check_code(code)
-    texts = text.split("\n")
-    if any("\r" in line for line in texts):
-        raise ProtocolError(f"reply text contains a bare CR: {text!r}")
+    texts = [line.rstrip("\r").replace("\r", " ") for line in text.split("\n")]
     return _build(code, texts)
 
 
