@@ -164,6 +164,13 @@ PROVIDER_TEXTS = [
      (Verdict.BOUNCE, "content", None)),
     ("blacklisted without a status", ["554 Your IP 192.0.2.1 is blacklisted at bl.example.net"],
      Stage.RCPT, (Verdict.DEFER, "blocklisted", BLOCKED)),
+    ("comcast dnsbls", ["554 resimta-h1p-0.comcast.net comcast 192.0.2.1 found on one or more "
+     "DNSBLs, see http://postmaster.comcast.net/smtp-error-codes.php#BL000001"], Stage.RCPT,
+     (Verdict.DEFER, "blocklisted", BLOCKED)),
+    ("cbl", ["550 5.7.1 Mail refused, see http://www.abuseat.org/lookup.cgi?ip=192.0.2.1"],
+     Stage.MAIL, (Verdict.DEFER, "blocklisted", BLOCKED)),
+    ("proofpoint", ["554 5.7.0 Blocked - see https://ipcheck.proofpoint.com/?ip=192.0.2.1"],
+     Stage.MAIL, (Verdict.DEFER, "blocklisted", BLOCKED)),
     # Greylisting (rspamd's default text and the like): a plain retry, not a slower domain.
     ("greylisted, try again later", ["451 4.7.1 Try again later"], Stage.RCPT,
      (Verdict.DEFER, "policy", None)),

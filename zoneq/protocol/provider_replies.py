@@ -95,12 +95,14 @@ PROVIDER_RULES: Final[tuple[ReplyRule, ...]] = (
     # --- Block lists, whoever runs the receiving server ------------------------------------
     # Postfix's default_rbl_reply (postconf(5)): "554 5.7.1 Service unavailable; Client host
     # [192.0.2.1] blocked using zen.spamhaus.org"; others say "listed at/in/on <list>",
-    # "on our block list" (Microsoft, above), "blacklisted".  Only a list of sending
-    # addresses is our address's problem; see _SENDER_LISTED for what is left out.
+    # "on our block list" (Microsoft, above), "blacklisted"; Comcast's "found on one or more
+    # DNSBLs", the CBL's cbl.abuseat.org, Proofpoint's "see https://ipcheck.proofpoint.com".
+    # Only a list of sending addresses is our address's problem; see _SENDER_LISTED for
+    # what is left out.
     ReplyRule.make(
         _SENDER_LISTED
         + r".*?(?:blocked using|spamhaus|(?<!not )(?<!n't )\blisted (?:at|in|on|by)\b"
-        r"|block ?list|black ?list|\bRBL\b|\bDNSBL\b)",
+        r"|block ?list|black ?list|\bRBL\b|\bDNSBLs?\b|\babuseat\.org\b|ipcheck\.proofpoint)",
         _BLOCKED,
         "blocklisted",
     ),
