@@ -79,15 +79,17 @@ class DomainKey(BaseModel):
     key_file: Path
 
 
-# RFC 5322 section 3.6.8: a field name is printable US-ASCII (33 to 126) except the colon.
-_FIELD_NAME = re.compile(r"[!-9;-~]+")
+# RFC 5322 section 3.6.8: a field name is printable US-ASCII (33 to 126) except the colon;
+# and not the semicolon either, which would end the h= tag it is written into (RFC 6376
+# section 3.2): every signature would fail to verify.
+_FIELD_NAME = re.compile(r"[!-9<-~]+")
 
 
 def _field_name(name: str) -> str:
     if not _FIELD_NAME.fullmatch(name):
         raise ValueError(
-            f"{name!r} is not a header field name: printable ASCII other than the colon, "
-            "no spaces (RFC 5322 section 3.6.8)"
+            f"{name!r} is not a header field name: printable ASCII other than the colon and "
+            "the semicolon, no spaces (RFC 5322 section 3.6.8, RFC 6376 section 3.2)"
         )
     return name
 
@@ -221,10 +223,11 @@ def init(app: PluginApp) -> None:
         try:
             # Hashing and RSA take milliseconds per megabyte: off the worker's event loop.
             signature = await app.to_thread(signer.sign, message, domain)
-        except dkimpy.DKIMException as exc:
+        except Exception as exc:
             # The key signed at start-up, so this is the message: a header section dkimpy
-            # cannot parse (a line without a colon, against RFC 5322 section 2.2).  As with
-            # max_size, it will not change: failing the hook would defer it at every
+            # cannot parse (a line without a colon, against RFC 5322 section 2.2, is its
+            # MessageFormatError; one that starts with a folded line an IndexError).  As
+            # with max_size, it will not change: failing the hook would defer it at every
             # attempt and bounce it at max_age, so it goes out unsigned.
             app.log.warning(
                 "message %s to %s cannot be signed (%s): sent without a DKIM signature",

@@ -311,14 +311,24 @@ def test_dkim_signs_off_the_event_loop_on_the_plugins_threads(
     assert len(seen) == 1 and seen[0].startswith("plugin-dkim-")
 
 
+@pytest.mark.parametrize(
+    "broken",
+    [
+        MESSAGE.replace(b"Subject: Hello\r\n", b"Subject: Hello\r\nno colon here\r\n"),
+        b" a folded line first\r\n" + MESSAGE,  # dkimpy: IndexError, not its own error
+    ],
+    ids=["no-colon", "folded-first"],
+)
 def test_dkim_message_dkimpy_cannot_parse_goes_out_unsigned_with_a_warning(
-    tmp_path: Path, rsa_key: tuple[bytes, bytes], caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    rsa_key: tuple[bytes, bytes],
+    caplog: pytest.LogCaptureFixture,
+    broken: bytes,
 ) -> None:
-    """A header line without a colon makes dkimpy refuse the message; like an oversized
+    """A header section dkimpy cannot parse makes it refuse the message; like an oversized
     one it is sent unsigned, not failed (a 451 at every attempt, then a bounce)."""
     private, _ = rsa_key
     host = dkim_host(tmp_path, private)
-    broken = MESSAGE.replace(b"Subject: Hello\r\n", b"Subject: Hello\r\nno colon here\r\n")
     with caplog.at_level("WARNING", logger="zoneq.plugin.dkim"):
         result = asyncio.run(host.call(Hook.SENDER_HEADERS, sender_args(broken)))
     assert result.headers == ()
@@ -337,6 +347,7 @@ def test_dkim_message_dkimpy_cannot_parse_goes_out_unsigned_with_a_warning(
         ([], "plugins.dkim.options.headers", "must include From"),
         (["From", "Bad Name"], "plugins.dkim.options.headers[1]", "not a header field name"),
         (["From", "To:"], "plugins.dkim.options.headers[1]", "not a header field name"),
+        (["From", "X;Y"], "plugins.dkim.options.headers[1]", "not a header field name"),
         (["From", ""], "plugins.dkim.options.headers[1]", "not a header field name"),
         (["From", "X-Grüße"], "plugins.dkim.options.headers[1]", "not a header field name"),
     ],
