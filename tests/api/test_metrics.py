@@ -13,6 +13,7 @@ from tests.storage.conftest import T0, queue_message
 from zoneq.api.metrics import EVENTS_PER_TURN, LATENCY_BUCKETS, EventTally
 from zoneq.protocol.events import Event, EventKind
 from zoneq.protocol.ids import format_id
+from zoneq.storage import keys
 from zoneq.storage.base import Outcome
 from zoneq.storage.records import State
 from zoneq.storage.store import QueueStore
@@ -205,6 +206,20 @@ async def test_a_backlog_is_read_a_turn_at_a_time_with_the_loop_free_between(
     assert tally.totals == {(EventKind.DELIVERED, "bulk"): backlog}
     between = sorted(n for n in set(looks) if 0 < n < backlog)
     assert between == [EVENTS_PER_TURN, 2 * EVENTS_PER_TURN, 3 * EVENTS_PER_TURN]
+
+
+@async_test
+async def test_an_event_that_does_not_decode_is_logged_once(
+    store: QueueStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    tally = EventTally(store)
+    await store._writer.submit([store._event_op(delivered(T0))], sync=False)
+    await store.drain()
+    [newest] = store.database.keys(prefix=keys.EVENT, reverse=True)
+    store.database.write([(keys.event(keys.decode_event(newest) + 1), b"\xc1")], sync=True)
+    with caplog.at_level("ERROR", logger="zoneq.storage"):
+        assert [await tally.catch_up() for _ in range(3)] == [1, 0, 0]
+    assert sum("does not decode" in r.getMessage() for r in caplog.records) == 1
 
 
 @async_test

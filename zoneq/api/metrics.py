@@ -128,7 +128,8 @@ class EventTally:
         # A new iterator each turn, none kept across an await: a reopen of the database
         # (``QueueStore.reopen``, after a failed write) closes the iterators it has.
         seen = 0
-        for key, event in itertools.islice(self._store.events(after=self._after), limit):
+        events = self._store.events(after=self._after, on_corrupt=self._past)
+        for key, event in itertools.islice(events, limit):
             self._after = key
             seen += 1
             counted = (event.kind, event.zone)
@@ -140,6 +141,11 @@ class EventTally:
                 latency = self.latency.setdefault(event.zone, _Latency())
                 latency.observe(max(0, event.time_ms - event.queued_at_ms) / 1000)
         return seen
+
+    def _past(self, key: bytes, reason: str) -> None:
+        """Step over a record that does not decode (logged once by ``events``): left as the
+        newest, it would be read and logged again at every scrape."""
+        self._after = key
 
 
 class QueueCollector(Collector):
