@@ -1,8 +1,9 @@
 """A handler raising what is not an ``Exception`` is still only a 451 (issue 5).
 
 Through the real receiver: ``KeyboardInterrupt`` used to stop the whole core (exit 130),
-and a bare ``BaseException`` or a ``CancelledError`` nobody asked for dropped the client's
-connection with no reply.  Both of the host's paths: an ``async def`` handler at
+and a bare ``BaseException``, a ``CancelledError`` nobody asked for or a ``GeneratorExit``
+(taken for the close of the host's own coroutine) dropped the client's connection or left
+the RCPT with no reply.  Both of the host's paths: an ``async def`` handler at
 smtp:rcpt_to runs on the event loop, a plain one at queue:route on the plugin's threads
 (its exception re-raised on the loop by the future).
 """
@@ -27,11 +28,15 @@ RAISE = {
     "kbd": KeyboardInterrupt,
     "base": BaseException,
     "cancel": asyncio.CancelledError,
+    "genexit": GeneratorExit,
 }
 
 
 def raise_for(recipient, prefix=""):
-    kind = RAISE.get(recipient.partition("@")[0].removeprefix(prefix))
+    # Only the hook the prefix names raises: "kbd@" reaching the plain route handler too
+    # would test the threads' path twice and the event loop's not at all.
+    local = recipient.partition("@")[0]
+    kind = RAISE.get(local[len(prefix):]) if local.startswith(prefix) else None
     if kind is not None:
         raise kind("raised by the plugin")
 
@@ -48,7 +53,9 @@ def init(app):
 """
 
 RECIPIENTS = [
-    f"{prefix}{kind}@b.test" for prefix in ("", "route-") for kind in ("kbd", "base", "cancel")
+    f"{prefix}{kind}@b.test"
+    for prefix in ("", "route-")
+    for kind in ("kbd", "base", "cancel", "genexit")
 ]
 
 

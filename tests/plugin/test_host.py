@@ -43,6 +43,7 @@ BEHAVIOURS = {
     "interrupts": "raise KeyboardInterrupt",
     "raises_base": "raise BaseException('not an Exception')",
     "stray_cancel": "raise asyncio.CancelledError",
+    "generator_exit": "raise GeneratorExit('raised by the plugin')",
     "positive_reply": "return Reply(250, ('ok',))",
 }
 
@@ -71,6 +72,10 @@ def rcpt_plugin(body: str, *, is_async: bool) -> str:
         ("interrupts", Fault.RAISED),
         ("raises_base", Fault.RAISED),
         ("stray_cancel", Fault.RAISED),
+        # Passed through as if it were the close of the host's own coroutine: async, the
+        # client's connection closed with no reply; plain, asyncio threw it into the
+        # session's coroutine, closing it, and the RCPT got no reply at all.
+        ("generator_exit", Fault.RAISED),
         ("garbage", Fault.GARBAGE),
         ("wrong_type", Fault.GARBAGE),
         ("positive_reply", Fault.GARBAGE),
@@ -144,6 +149,26 @@ def test_cancelling_the_caller_still_cancels_it(tmp_path: Path, body: str) -> No
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.2):
                 await host.call(Hook.SMTP_RCPT_TO, RCPT)
+        await host.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "body", ["await asyncio.sleep(30)", "time.sleep(1)"], ids=["async", "plain-blocking"]
+)
+def test_closing_the_callers_coroutine_still_closes_it(tmp_path: Path, body: str) -> None:
+    """``close()`` on the coroutine (what the event loop does to one it discards) raises
+    GeneratorExit at the host's own ``await``: that one is not the plugin's, and turned
+    into a PluginFailure it would make ``close()`` raise instead of closing."""
+    is_async = body.startswith("await")
+    module = write_plugin(tmp_path, "slow", rcpt_plugin(body, is_async=is_async))
+    host = host_with({"slow": {"module": module, "timeout": "5s"}})
+
+    async def run() -> None:
+        call = host.call(Hook.SMTP_RCPT_TO, RCPT)
+        call.send(None)  # runs until the handler (or its thread) is awaited
+        call.close()
         await host.close()
 
     asyncio.run(run())

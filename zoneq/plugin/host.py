@@ -19,8 +19,9 @@ plugin's limit, well inside any SMTP client's command timeouts (RFC 5321 section
 Isolation (issue 5): whatever a handler does, ``call`` either returns a ``HookResult`` or
 raises ``PluginFailure``; the callers turn that into 451 4.3.0 at receive time and a logged
 deferral at send time.  ``notify`` (outcome hooks) never raises.  "Whatever" includes any
-``BaseException`` (``KeyboardInterrupt``, ``SystemExit``, a stray ``CancelledError``); only
-the caller's own cancellation passes through.
+``BaseException`` (``KeyboardInterrupt``, ``SystemExit``, a stray ``CancelledError``, a
+``GeneratorExit``); only the caller's own cancellation and the close of the host's own
+coroutine pass through.
 """
 
 from __future__ import annotations
@@ -158,11 +159,11 @@ class PluginHost:
             raise
         # BaseException, not Exception (issue 5): raised from a handler, SystemExit or
         # KeyboardInterrupt would reach the event loop and stop the whole server, and a
-        # CancelledError or a bare BaseException would end the client's session with no
-        # reply.  What is not the handler's own is passed on: the caller's cancellation
-        # and the close of this coroutine (GeneratorExit).
+        # CancelledError, a GeneratorExit or a bare BaseException would end the client's
+        # session with no reply.  What is not the handler's own is passed on: the
+        # caller's cancellation and the close of this coroutine.
         except BaseException as exc:
-            if isinstance(exc, GeneratorExit) or _caller_cancelled(exc):
+            if _closing(exc) or _caller_cancelled(exc):
                 raise
             detail = f"{type(exc).__name__}: {exc}"
             raise PluginFailure(entry.plugin, hook, Fault.RAISED, detail) from exc
@@ -197,6 +198,18 @@ def _caller_cancelled(exc: BaseException) -> bool:
     task = asyncio.current_task()
     # Python 3.11: cancelling() counts the cancel() requests not yet uncancelled.
     return task is not None and task.cancelling() > 0
+
+
+def _closing(exc: BaseException) -> bool:
+    """Whether ``exc``, caught in ``_invoke``, is the close of that coroutine
+    (``coroutine.close()``), which must end it, rather than a ``GeneratorExit`` a handler
+    raised, which is only that plugin's failure.  ``close()`` closes the innermost
+    coroutine first and then raises a new ``GeneratorExit`` in each frame outwards (PEP
+    342), so the one ``_invoke`` sees was raised at its own ``await`` and its traceback
+    holds that frame alone; one a handler raised comes up through ``_run``.  (A plain
+    handler's arrives from its thread as a ``RaisedGeneratorExit``: see ``threads.py``.)"""
+    where = exc.__traceback__
+    return isinstance(exc, GeneratorExit) and where is not None and where.tb_next is None
 
 
 async def _run(hook: Hook, entry: _Registered, args: object) -> object:

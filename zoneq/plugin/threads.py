@@ -25,11 +25,22 @@ import threading
 from collections.abc import Callable
 from typing import Any, Final
 
-__all__ = ["THREADS_PER_PLUGIN", "PluginThreads"]
+__all__ = ["THREADS_PER_PLUGIN", "PluginThreads", "RaisedGeneratorExit"]
 
 THREADS_PER_PLUGIN: Final = 4
 """Threads each plugin gets for its plain handlers; a plugin that needs more concurrency
 for blocking work should make that work faster or use ``async def`` with its own limits."""
+
+
+class RaisedGeneratorExit(Exception):
+    """A call on a plugin's thread raised ``GeneratorExit``; that exception is the cause.
+
+    It cannot reach the caller as itself: asyncio throws a future's exception into the
+    awaiting task's coroutine, and a ``GeneratorExit`` thrown into a coroutine first
+    closes every coroutine it awaits (PEP 342, ``throw`` as ``close``), so the host could
+    not answer and the client's session would end with no reply.  As an ``Exception`` it
+    is an ordinary failure of that call."""
+
 
 _Started = Callable[[], None] | None
 _Item = tuple["concurrent.futures.Future[Any]", Callable[..., Any], tuple[Any, ...], _Started]
@@ -116,9 +127,17 @@ class PluginThreads:
                 if started is not None:
                     started()
                 result = fn(*args)
+            except GeneratorExit as exc:  # not as itself: see RaisedGeneratorExit
+                future.set_exception(_carried(exc))
             # BaseException, as concurrent.futures does: a handler's SystemExit or
             # KeyboardInterrupt becomes that call's failure, not the end of the thread.
             except BaseException as exc:
                 future.set_exception(exc)
             else:
                 future.set_result(result)
+
+
+def _carried(exc: GeneratorExit) -> RaisedGeneratorExit:
+    carrier = RaisedGeneratorExit(str(exc) or "GeneratorExit")
+    carrier.__cause__ = exc
+    return carrier
