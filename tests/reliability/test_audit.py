@@ -23,6 +23,7 @@ from tests.support.ledger import (
     SENDER,
     Copy,
     Dumps,
+    Extra,
     Kill,
     Ledger,
     Load,
@@ -67,7 +68,7 @@ def ledger(
     ("case", "book", "dumps", "unexplained", "refused_delivered"),
     [
         ("one copy each", ledger(), sink((A, [R1, R2])), {}, []),
-        ("extra copy, no kill", ledger(), sink((A, [R1, R2]), (A, [R1])), {(A, R1): 1}, []),
+        ("extra copy, no kill", ledger(), sink((A, [R1, R2]), (A, [R1])), {Extra(A, R1): 1}, []),
         (
             "extra copy in flight at a kill",
             ledger([Kill({}, set(), delivering={(A, R1)})]),
@@ -79,14 +80,14 @@ def ledger(
             "one kill explains one extra copy, not two",
             ledger([Kill({}, set(), delivering={(A, R1)})]),
             sink((A, [R1, R2]), (A, [R1]), (A, [R1])),
-            {(A, R1): 1},
+            {Extra(A, R1): 1},
             [],
         ),
         (
             "a kill explains only the pair it caught",
             ledger([Kill({}, set(), delivering={(A, R2)})]),
             sink((A, [R1, R2]), (A, [R1])),
-            {(A, R1): 1},
+            {Extra(A, R1): 1},
             [],
         ),
         (
@@ -100,7 +101,7 @@ def ledger(
             "extra DSN, no kill",
             ledger(to=(R1, X1)),
             sink((A, [R1]), dsns=((A, X1), (A, X1))),
-            {(A, SENDER): 1},
+            {Extra(A, X1, dsn=True): 1},
             [],
         ),
         ("refused, then delivered", ledger(refused=(B,)), sink((A, [R1, R2]), (B, [R1])), {}, [B]),
@@ -118,7 +119,7 @@ def test_audit_explains_extra_copies_only_by_a_kill(
     case: str,
     book: Ledger,
     dumps: Dumps,
-    unexplained: dict[tuple[str, str], int],
+    unexplained: dict[Extra, int],
     refused_delivered: list[str],
 ) -> None:
     result = audit(book, dumps, may_bounce=("bad.test",))
@@ -129,7 +130,7 @@ def test_audit_explains_extra_copies_only_by_a_kill(
 
 def test_a_logged_possible_duplicate_explains_one_extra_copy() -> None:
     result = audit(ledger(), sink((A, [R1, R2]), (A, [R1]), (A, [R1])))
-    assert result.unexplained_duplicates(Counter({(QUEUE_IDS[A], R1): 1})) == {(A, R1): 1}
+    assert result.unexplained_duplicates(Counter({(QUEUE_IDS[A], R1): 1})) == {Extra(A, R1): 1}
     assert result.unexplained_duplicates(Counter({(QUEUE_IDS[A], R1): 2})) == {}
 
 
@@ -142,9 +143,9 @@ WORKER_GONE = "possible duplicate: {} to {} via ? (worker w1 went away with it i
     ("case", "logged_for", "unexplained"),
     [
         ("logged for the message copied twice", (B, R1), {}),
-        ("logged for another message to the same address", (A, R1), {(B, R1): 1}),
-        ("logged for the message, to another address", (B, R2), {(B, R1): 1}),
-        ("logged for a message no copy names", ("<c@src.test>", R1), {(B, R1): 1}),
+        ("logged for another message to the same address", (A, R1), {Extra(B, R1): 1}),
+        ("logged for the message, to another address", (B, R2), {Extra(B, R1): 1}),
+        ("logged for a message no copy names", ("<c@src.test>", R1), {Extra(B, R1): 1}),
     ],
 )
 @pytest.mark.parametrize("line", [FINAL_DOT, WORKER_GONE], ids=["final dot", "worker gone"])
@@ -152,7 +153,7 @@ def test_a_logged_duplicate_explains_only_its_own_message_and_recipient(
     tmp_path: Path,
     case: str,
     logged_for: tuple[str, str],
-    unexplained: dict[tuple[str, str], int],
+    unexplained: dict[Extra, int],
     line: str,
 ) -> None:
     book = ledger(to=(R1,))
@@ -173,12 +174,16 @@ def test_a_logged_duplicate_explains_only_its_own_message_and_recipient(
             {DSN_QUEUE_ID: "<dsn-0@zoneq>"},
             {},
         ),
-        ("the DSN's queue id never learnt", {}, {(A, SENDER): 1}),
-        ("the queue id is another DSN's", {DSN_QUEUE_ID: "<dsn-9@zoneq>"}, {(A, SENDER): 1}),
+        ("the DSN's queue id never learnt", {}, {Extra(A, X1, dsn=True): 1}),
+        (
+            "the queue id is another DSN's",
+            {DSN_QUEUE_ID: "<dsn-9@zoneq>"},
+            {Extra(A, X1, dsn=True): 1},
+        ),
     ],
 )
 def test_a_logged_duplicate_of_a_dsn_explains_an_extra_report_of_its_pairs(
-    case: str, queue_ids: dict[str, str], unexplained: dict[tuple[str, str], int]
+    case: str, queue_ids: dict[str, str], unexplained: dict[Extra, int]
 ) -> None:
     # The kill caught nothing in flight; it only read the queue (and learnt its ids).
     book = ledger([Kill({}, set(), queue_ids=queue_ids)], to=(R1, X1))
@@ -187,6 +192,38 @@ def test_a_logged_duplicate_of_a_dsn_explains_an_extra_report_of_its_pairs(
     result = audit(book, dumps, may_bounce=("bad.test",))
     logged = Counter({(DSN_QUEUE_ID, SENDER): 1})
     assert result.unexplained_duplicates(logged) == unexplained, case
+
+
+Y1 = "y1@worse.test"  # worse.test's MX refuses too
+DX, DY = "<dsn-x@zoneq>", "<dsn-y@zoneq>"  # the DSNs reporting (A, X1) and (A, Y1)
+DSN_IDS = {DX: format_id(0xD0), DY: format_id(0xD1)}
+
+
+@pytest.mark.parametrize(
+    ("case", "delivered", "logged_for", "unexplained"),
+    [
+        ("the other DSN's logged", [DX, DY, DY], [DX], {Extra(A, Y1, dsn=True): 1}),
+        ("its own logged", [DX, DY, DY], [DY], {}),
+        ("both twice, one logged", [DX, DY, DX, DY], [DY], {Extra(A, X1, dsn=True): 1}),
+        ("both twice, both logged", [DX, DY, DX, DY], [DX, DY], {}),
+    ],
+)
+def test_a_logged_duplicate_of_one_dsn_does_not_explain_another_dsn_of_the_message(
+    case: str, delivered: list[str], logged_for: list[str], unexplained: dict[Extra, int]
+) -> None:
+    """A message to two domains that refuse gets a DSN for each (zoneq/queue/bounces.py:
+    one per message and destination domain); the possible duplicate logged for one of them
+    explains an extra copy of that DSN only."""
+    reports = {DX: (A, X1), DY: (A, Y1)}
+    queue_ids = {queue_id: dsn for dsn, queue_id in DSN_IDS.items()}
+    book = ledger([Kill({}, set(), queue_ids=queue_ids)], to=(X1, Y1))
+    dumps = Dumps()
+    for n, dsn in enumerate(delivered):
+        dumps.copies[f"dsn.{n}"] = Copy(dsn, [SENDER], "", [reports[dsn]])
+    result = audit(book, dumps, may_bounce=("bad.test", "worse.test"))
+    logged = Counter({(DSN_IDS[dsn], SENDER): 1 for dsn in logged_for})
+    assert result.unexplained_duplicates(logged) == unexplained, case
+    assert not result.problems(), case
 
 
 @pytest.mark.parametrize(

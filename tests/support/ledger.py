@@ -18,10 +18,12 @@ MX while its queue still holds them: delivered, but the kill came before the out
 written).  Each such pair explains one extra copy, per kill; every other extra copy needs a
 possible duplicate the core logged (RFC 1047's window) for that message and recipient: the
 log names the queue id, which a copy's Received field (or a queue read at a kill) ties to
-its Message-ID.  A message refused with 4xx that reached the MX anyway is a duplicate in
-waiting (its client sends it again), allowed only when it was under way at a kill: RFC
-1047's window on the receiving side, where the commit may land but the reply is lost or
-turned into a 4xx.
+its Message-ID.  An extra DSN is counted per pair it reports, and a logged duplicate of a
+DSN explains an extra report of only the pairs that DSN reports: a message to several
+domains that refuse gets a DSN for each, and one may not excuse another.  A message refused
+with 4xx that reached the MX anyway is a duplicate in waiting (its client sends it again),
+allowed only when it was under way at a kill: RFC 1047's window on the receiving side,
+where the commit may land but the reply is lost or turned into a 4xx.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
+from typing import NamedTuple
 
 import aiosmtplib
 
@@ -64,6 +67,15 @@ ACTION_FAILED = re.compile(rb"^Action: *failed\b", re.MULTILINE | re.IGNORECASE)
 # Both line ends: smtp-sink dumps LF, the queue stores the message as it came (CRLF).
 MESSAGE_ID = re.compile(rb"^Message-ID: (\S+)\r?$", re.MULTILINE | re.IGNORECASE)
 Pair = tuple[str, str]  # (Message-ID, recipient)
+
+
+class Extra(NamedTuple):
+    """What an extra arrival at the MX is counted as: one more copy of ``message_id`` to
+    ``recipient`` or, with ``dsn``, one more DSN to the sender reporting that pair failed."""
+
+    message_id: str
+    recipient: str
+    dsn: bool = False
 
 
 # --- the messages ----------------------------------------------------------------------------
@@ -505,9 +517,9 @@ class Audit:
     duplicates: Counter[str]  # extra copies per recipient
     bounces: Counter[tuple[str, str]]
     partial: int
-    # Extra copies per (Message-ID, recipient), and extra DSN reports per (Message-ID,
-    # sender), that no kill explains: each needs a logged possible duplicate.
-    unexplained: Counter[Pair] = field(default_factory=Counter)
+    # Extra copies, and extra DSN reports, per pair that no kill explains: each needs a
+    # logged possible duplicate.
+    unexplained: Counter[Extra] = field(default_factory=Counter)
     explained: int = 0  # extra copies and DSNs explained by a delivery in flight at a kill
     refused_delivered: list[str] = field(default_factory=list)  # 4xx, then delivered anyway
     refused_under_way: int = 0  # the same, but under way at a kill: allowed
@@ -520,25 +532,25 @@ class Audit:
     def duplicate_count(self) -> int:
         return sum(self.duplicates.values())
 
-    def unexplained_duplicates(self, logged: Counter[tuple[str, str]]) -> dict[Pair, int]:
+    def unexplained_duplicates(self, logged: Counter[tuple[str, str]]) -> dict[Extra, int]:
         """Extra copies and DSN reports that neither a kill nor a possible duplicate the
         core logged (``logged_duplicates``) explains, as in ``unexplained``."""
         excused = self.excused(logged)
         return {p: n - excused[p] for p, n in self.unexplained.items() if n > excused[p]}
 
-    def excused(self, logged: Counter[tuple[str, str]]) -> Counter[Pair]:
+    def excused(self, logged: Counter[tuple[str, str]]) -> Counter[Extra]:
         """The extra copies the possible duplicates logged per (queue id, recipient) may
         explain, one each, keyed as in ``unexplained``."""
-        excused: Counter[Pair] = Counter()
+        excused: Counter[Extra] = Counter()
         for (queue_id, recipient), n in logged.items():
             message_id = self.queue_ids.get(queue_id)
             if message_id is None:
                 continue  # no copy of it reached the MX, and no queue read at a kill held it
             if recipient == SENDER:  # a DSN: one extra report of each pair it reports
-                for original, _ in self.dsn_reports.get(message_id, []):
-                    excused[(original, SENDER)] += n
+                for original, failed in self.dsn_reports.get(message_id, []):
+                    excused[Extra(original, failed, dsn=True)] += n
             else:
-                excused[(message_id, recipient)] += n
+                excused[Extra(message_id, recipient)] += n
         return excused
 
     def problems(self) -> list[str]:
@@ -588,14 +600,14 @@ def audit(ledger: Ledger, dumps: Dumps, *, may_bounce: Collection[str] = ()) -> 
     # Each kill explains one extra copy of each pair it caught in flight (and one extra DSN).
     in_flight = Counter(p for kill in ledger.kills for p in kill.delivering)
     in_flight_dsn = Counter(p for kill in ledger.kills for p in kill.bouncing)
-    unexplained: Counter[Pair] = Counter()
+    unexplained: Counter[Extra] = Counter()
     explained = 0
-    for book, caught, owner in ((delivered, in_flight, None), (bounces, in_flight_dsn, SENDER)):
+    for book, caught, dsn in ((delivered, in_flight, False), (bounces, in_flight_dsn, True)):
         for pair, n in book.items():
             extra = n - 1
             explained += min(extra, caught[pair]) if extra > 0 else 0
             if extra > caught[pair]:
-                unexplained[(pair[0], owner or pair[1])] += extra - caught[pair]
+                unexplained[Extra(*pair, dsn=dsn)] += extra - caught[pair]
     landed = {m for m, _ in delivered} | {m for m, _ in bounced}
     refused_landed = sorted(set(ledger.refused) & landed)
     under_way = ledger.killed_under_way()
