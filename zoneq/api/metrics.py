@@ -243,9 +243,11 @@ class QueueCollector(Collector):
 def _partition(counts: dict[str, int | bool]) -> dict[State, int]:
     """The store's counts per state with the leased recipients out of ready: the store
     counts a leased recipient as ready (its record stays in the ready family until its
-    outcome), and a sum over the states would count it twice."""
+    outcome), and a sum over the states would count it twice.  Never below 0: a gauge of
+    recipients cannot be negative, whatever a moment between the two reads says (a lease
+    kept for an outcome whose batch reached LevelDB's log before its sync failed)."""
     by_state = {state: int(counts[state.value]) for state in State}
-    by_state[State.READY] -= by_state[State.LEASED]
+    by_state[State.READY] = max(0, by_state[State.READY] - by_state[State.LEASED])
     return by_state
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 
-from zoneq.errors import NotFound, StorageCorruption
+from zoneq.errors import NotFound, StorageCorruption, StorageUnavailable
 from zoneq.protocol.domains import normal_domain
 from zoneq.protocol.events import Event, EventKind
 from zoneq.protocol.ids import format_id, id_time_ms
@@ -20,6 +22,7 @@ from zoneq.storage.base import (
     log,
 )
 from zoneq.storage.counters import MESSAGES, domain_key, zone_key
+from zoneq.storage.held import Held
 from zoneq.storage.holdmarks import unmark_message
 from zoneq.storage.leveldb import Op
 from zoneq.storage.records import (
@@ -163,12 +166,12 @@ class AdminMixin(StoreBase):
             ops.extend(self._message_removed(msg_id))
         else:
             raise NotFound(f"no queued message {mid}")
-        await self._writer.submit(ops, sync=False)
+        await self._stage_removal(ops)
         return dropped
 
     async def delivered_after_drop(self, lease: Lease, now_ms: int, outcome: Outcome) -> bool:
         """Record a delivery reported for a recipient deleted while it was on the wire; True
-        if it was recorded, False if ``lease`` was refused for another reason.
+        if it was recorded (or held to be), False if ``lease`` was refused for another reason.
 
         The delete (``drop``, or a purge: ``drop_many``) revoked the lease and wrote the
         DROPPED event, and the report is refused; but the remote took responsibility for
@@ -179,8 +182,14 @@ class AdminMixin(StoreBase):
         written: the record stays gone, and the delete has already settled the counters
         and the message's head.  A lease still held, or whose record is still there, was
         not revoked by a delete: nothing is written for it.
+
+        While the store cannot write, the event is held and written after the heal, as
+        every outcome is (``held.py``): it is the only record of that delivery.
         """
-        self._check()
+        replay = functools.partial(self._delivered_again, lease, now_ms, outcome)
+        held = Held(lease, replay, revoked=True)
+        if self._hold_if_failed(held):
+            return True
         if self.holds(lease) or self._writer.read(lease.key) is not None:
             return False
         record = lease.recipient.after_attempt(now_ms, outcome.reply)
@@ -192,8 +201,18 @@ class AdminMixin(StoreBase):
             outcome.reply,
         )
         event = self._outcome_event(EventKind.DELIVERED, record, now_ms, outcome)
-        await self._writer.submit([event], sync=False)
+        with contextlib.suppress(StorageUnavailable):  # held if its batch fails (``_settle``)
+            await self._settle(held, [event], sync=False)
         return True
+
+    async def _delivered_again(self, lease: Lease, now_ms: int, outcome: Outcome) -> None:
+        """A held ``delivered_after_drop``, made again after the heal: a completion if the
+        delete's own batch failed too and gave the lease back (``_put_back_revoked``), for
+        the recipient is still queued and was delivered."""
+        if self.holds(lease):
+            await self.complete(lease, now_ms, outcome)
+        else:
+            await self.delivered_after_drop(lease, now_ms, outcome)
 
     def drop_orphans(self, msg_id: int, leases: Sequence[Lease], now_ms: int) -> int:
         """Remove leased records of a message that is gone, each with a DROPPED event; how
@@ -223,6 +242,7 @@ class AdminMixin(StoreBase):
         ops: list[Op] = []
         gone = Outcome(reply="its message was gone (removed while this record was moving)")
         for lease in mine:
+            self._take(lease)  # the caller's own, not a worker's: nothing to revoke
             ops.extend(self._remove_key(lease.key, State.READY, lease.recipient))
             ops.append(self._outcome_event(EventKind.DROPPED, lease.recipient, now_ms, gone))
         log.warning(

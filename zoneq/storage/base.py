@@ -8,6 +8,7 @@ operations) and ``maintenance.py`` (recovery, sweeps, compaction, retention).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -29,6 +30,7 @@ from zoneq.storage.leases import LeaseTable
 from zoneq.storage.leveldb import Database, Op
 from zoneq.storage.records import (
     MessageMeta,
+    Notice,
     Recipient,
     State,
     decode_head,
@@ -152,6 +154,9 @@ class StoreBase:
         self._held: list[Held] = []
         self._held_bytes = 0
         self._replays: set[asyncio.Task[None]] = set()
+        # Leases revoked by deletes whose batches have not landed: put back if they fail
+        # (``_on_failure``), for the record is still queued and its delivery on the wire.
+        self._revoking: dict[bytes, Lease] = {}
         self._cursors: dict[str, bytes] = {}
         self._due_marks: dict[str, bytes] = {}
         # Per zone, a key above every live due key, once known (``QueueStore.promote_due``:
@@ -185,6 +190,27 @@ class StoreBase:
         """Hold the outcomes of the batches that failed (``held.py``)."""
         raise NotImplementedError
 
+    def _hold_if_failed(self, held: Held) -> bool:
+        """Hold ``held`` if the store is failed and cannot reopen now (``held.py``)."""
+        raise NotImplementedError
+
+    async def complete(
+        self, lease: Lease, now_ms: int, outcome: Outcome, *, notice: Notice | None = None
+    ) -> None:
+        """Delivered: the recipient leaves the queue (``store.py``)."""
+        raise NotImplementedError
+
+    def _settle(
+        self,
+        held: Held,
+        ops: list[Op],
+        *,
+        sync: bool,
+        effect: Callable[[], None] | None = None,
+    ) -> asyncio.Future[None]:
+        """Stage an outcome's writes, held if their batch fails (``held.py``)."""
+        raise NotImplementedError
+
     def _seal(self) -> list[Op]:
         """Writes every group carries: changed counters, and the id floors when they moved."""
         ops = self._counters.seal()
@@ -207,8 +233,27 @@ class StoreBase:
         # are the outcomes in the failed batches, now, before any other task runs (one
         # could reopen the store, or lease their records again).
         self._hold_settling(exc)
+        self._put_back_revoked()
+        self._recount_failed()
         if isinstance(exc, DiskFull):
             self.space.release()  # room for the reopen and the deletes that drain the queue
+
+    def _put_back_revoked(self) -> None:
+        """The deletes that revoked these leases failed: the records are still queued, and
+        their deliveries on the wire.  Their reports are taken again (held until the heal,
+        then written), and the records are not handed out a second time meanwhile or after
+        the heal (``_resume`` keeps a lease whose record is on disk)."""
+        revoking, self._revoking = self._revoking, {}
+        self._leases.update(revoking)
+
+    def _recount_failed(self) -> None:
+        """Undo the counts the failed batches moved when they were staged: read them back
+        from the disk, which the failed handle still reads.  Their outcomes are held and
+        their leases back, so until the heal ready must still count each such recipient
+        (else ``/metrics`` showed ready below leased); the reopen's ``recover`` reads them
+        again anyway.  A handle that cannot read leaves that to the reopen."""
+        with contextlib.suppress(StorageUnavailable):
+            self._counters.load(self._db)
 
     def reopen(self) -> None:
         """Clear a sticky write error: reopen the database and reload state from disk.
@@ -449,8 +494,12 @@ class StoreBase:
         """Writes removing one record, from its key alone if its value cannot be read."""
         _, zone, msg_id, address = keys.decode_record(key)
         # Revoked: the worker's report will be refused (a delivery it reports is still
-        # recorded, as an event only: ``AdminMixin.delivered_after_drop``).
-        self._leases.pop(key, None)
+        # recorded, as an event only: ``AdminMixin.delivered_after_drop``); put back if the
+        # delete's batch fails (``_stage_removal``).
+        lease = self._leases.get(key)
+        if lease is not None:
+            del self._leases[key]
+            self._revoking[key] = lease
         ops: list[Op] = [(key, None)]
         if state is State.READY and self._hold_marks:
             # A leased one's hold on return goes with it, here where every removal passes
@@ -464,6 +513,17 @@ class StoreBase:
             ops.append((keys.due(zone, record.next_attempt_ms, msg_id, address), None))
         self._counters.move(zone, recipient_domain(address), state, None)
         return ops
+
+    def _stage_removal(self, ops: list[Op]) -> asyncio.Future[None]:
+        """Stage an administrator's delete (``_remove_key``'s writes among ``ops``): the
+        leases it revoked are forgotten once it lands, and put back if it fails."""
+        revoked = [key for key, value in ops if value is None and key in self._revoking]
+        landed = functools.partial(self._forget_revoked, revoked) if revoked else None
+        return self._writer.submit(ops, sync=False, effect=landed)
+
+    def _forget_revoked(self, revoked: list[bytes]) -> None:
+        for key in revoked:
+            self._revoking.pop(key, None)
 
     def _message_zones(self, msg_id: int) -> tuple[str, ...]:
         """The zones a message has records in, from its metadata or, if that is unreadable,

@@ -74,7 +74,7 @@ class BulkMixin(StoreBase):
             # delete does (``_note_dead_body``); a delivery's removal is left to LevelDB.
             ops.extend(self._note_dead_body(msg_id, len(deletes) - 2))  # all but head, meta
         if ops:
-            await self._writer.submit(ops, sync=False)
+            await self._stage_removal(ops)
         return len(chosen)
 
     def _headless(self, msg_id: int, removed: set[bytes]) -> list[Op]:

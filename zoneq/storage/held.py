@@ -50,6 +50,9 @@ class Held:
     lease: Lease
     replay: Callable[[], Awaitable[None]]
     size: int = 0
+    # A delivery reported after a delete revoked its lease (``delivered_after_drop``): only
+    # its event is owed, so its lease is neither checked nor put back while it is held.
+    revoked: bool = False
 
 
 def notice_size(notice: Notice | None) -> int:
@@ -79,7 +82,8 @@ class HeldMixin(StoreBase):
             self._check()  # at most one reopen a second
             return False
         except StorageUnavailable as exc:
-            self._current(held.lease)
+            if not held.revoked:
+                self._current(held.lease)
             self._hold(held, exc)
             return True
 
@@ -90,7 +94,8 @@ class HeldMixin(StoreBase):
                 "memory until the storage heals",
                 exc,
             )
-        self._leases[held.lease.key] = held.lease  # out of circulation until it is applied
+        if not held.revoked:
+            self._leases[held.lease.key] = held.lease  # out of circulation until it is applied
         self._held.append(held)
         self._held_bytes += held.size
 
@@ -119,17 +124,29 @@ class HeldMixin(StoreBase):
         whether or not this task is still there to see it (a report cancelled with its
         worker's connection still has its outcome written or held).
         """
-        lease = held.lease
-        self._take(lease)
-        self._settling[lease.key] = held
-        landed = functools.partial(self._landed_outcome, lease.key)
+        self._take(held.lease)
         # If its batch fails, it was held when the failure was noticed (``_hold_settling``):
         # the report is taken, and written after the reopen (or found already applied, if
         # the batch reached the log).
         with contextlib.suppress(StorageUnavailable):
-            await self._writer.submit(
-                ops, sync=sync, effect=landed if effect is None else run_all((effect, landed))
-            )
+            await self._settle(held, ops, sync=sync, effect=effect)
+
+    def _settle(
+        self,
+        held: Held,
+        ops: list[Op],
+        *,
+        sync: bool,
+        effect: Callable[[], None] | None = None,
+    ) -> asyncio.Future[None]:
+        """Stage ``ops``, the writes of ``held``'s outcome (its lease taken, or revoked by a
+        delete), to leave ``_settling`` when they land or be held if they fail.  A plain
+        function, not a coroutine: it is on every outcome's path."""
+        self._settling[held.lease.key] = held
+        landed = functools.partial(self._landed_outcome, held.lease.key)
+        return self._writer.submit(
+            ops, sync=sync, effect=landed if effect is None else run_all((effect, landed))
+        )
 
     def _may_lease_while_failed(self, limit: int) -> int:
         """How many recipients may still be leased while the store is failed (raises if
@@ -202,6 +219,14 @@ class HeldMixin(StoreBase):
         if self._replays:
             await asyncio.gather(*self._replays, return_exceptions=True)
         for item in self._held:
+            if item.revoked:
+                log.warning(
+                    "%016x to %s was delivered after its delete, but its DELIVERED event was "
+                    "held while the queue storage was failed, and is lost at this stop",
+                    item.lease.recipient.msg_id,
+                    item.lease.recipient.address,
+                )
+                continue
             log.warning(
                 "possible duplicate: %016x to %s via ? (its outcome was held while the queue "
                 "storage was failed, and is lost at this stop); sent again after the restart",

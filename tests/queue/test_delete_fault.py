@@ -1,0 +1,147 @@
+"""A delete of a recipient on the wire, with the queue storage failing around it.
+
+Real LevelDB directories; ``FaultyDatabase`` (tests/storage/conftest.py) fails the writes.
+A delete whose batch fails never happened: the recipient is still queued and its delivery
+still on the wire, so its 250 completes it once the storage heals, and it is not handed out
+again.  A delete that landed stays, and the 250 reported after it is on record (its
+DELIVERED event) even when the storage fails before that event is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+
+from tests.queue.test_delete_in_flight import REPLY, TEXT, assert_nothing_queued, outcome_events
+from tests.queue.test_service import Clock, Z, outcome, service_for
+from tests.storage.conftest import T0, StoreFactory, assert_consistent, async_test, queue_message
+from tests.storage.test_held import break_disk, heal
+from zoneq.errors import StorageUnavailable
+from zoneq.protocol.events import EventKind
+from zoneq.queue.service import Result
+from zoneq.storage.records import State
+from zoneq.storage.store import QueueStore
+
+pytestmark = pytest.mark.integration
+
+
+async def delete(store: QueueStore, how: str, msg_id: int) -> None:
+    """An administrator's delete of the message's one recipient: ``queue delete`` or a purge."""
+    if how == "drop":
+        await store.drop(msg_id, T0 + 1)
+    else:
+        await store.drop_many(store.recipients(msg_id), T0 + 1)
+
+
+@pytest.mark.parametrize("how", ["drop", "purge"])
+@async_test
+async def test_a_failed_delete_leaves_the_delivery_on_the_wire_to_complete(
+    stores: StoreFactory, how: str
+) -> None:
+    store = stores.open(faulty=True)
+    db = stores.faulty(store)
+    service = service_for(store, Clock())
+    msg_id = await queue_message(store, [("a@one.test", Z)])
+    (job,) = await service.lease(Z, "w1")
+    db.fail_writes = 1  # the delete's own batch fails (a full disk, say)
+    with pytest.raises(StorageUnavailable):
+        await delete(store, how, msg_id)
+    # Nothing was deleted: the recipient is still queued, and still leased to w1.
+    assert (store.count(Z, State.READY), store.count(Z, State.LEASED)) == (1, 1)
+    token = job.recipients[0].token
+    reported = outcome(job, Result.DELIVERED, reply=TEXT, **REPLY)
+    assert await service.report("w1", reported) == ([token], [])  # held until the heal
+    await heal(store, db)
+    assert await service.lease(Z, "w2") == []  # not handed out a second time
+    assert [e.kind for e in outcome_events(store, "a@one.test")] == [EventKind.DELIVERED]
+    assert_nothing_queued(store, msg_id)
+    await assert_consistent(store)
+
+
+@pytest.mark.parametrize("fault", ["disk broken before the report", "its own write fails"])
+@async_test
+async def test_a_delivery_after_a_delete_is_on_record_after_the_storage_heals(
+    stores: StoreFactory, caplog: pytest.LogCaptureFixture, fault: str
+) -> None:
+    store = stores.open(faulty=True)
+    db = stores.faulty(store)
+    service = service_for(store, Clock())
+    msg_id = await queue_message(store, [("a@one.test", Z), ("keep@one.test", Z)])
+    (job,) = await service.lease(Z, "w1")
+    assert await store.drop(msg_id, T0 + 1, address="a@one.test") == 1
+    await store.drain()
+    if fault == "disk broken before the report":
+        await break_disk(store, db)
+    else:
+        db.unavailable = True  # the report's batch is the first to fail
+    tokens = {r.address: r.token for r in job.recipients}
+    reported = outcome(job, Result.DELIVERED, reply=TEXT, **REPLY)
+    with caplog.at_level(logging.WARNING, logger="zoneq.queue"):
+        accepted, refused = await service.report("w1", reported)
+    await store.drain()
+    assert (accepted, refused) == ([tokens["keep@one.test"]], [tokens["a@one.test"]])
+    assert "not written" not in caplog.text  # refused for its delete, not lost
+    assert store.held == 2
+    await heal(store, db)
+    assert [e.kind for e in outcome_events(store, "a@one.test")] == [
+        EventKind.DROPPED,
+        EventKind.DELIVERED,
+    ]
+    assert [e.kind for e in outcome_events(store, "keep@one.test")] == [EventKind.DELIVERED]
+    assert_nothing_queued(store, msg_id)
+    await assert_consistent(store)
+
+
+@pytest.mark.parametrize("how", ["drop", "purge"])
+@async_test
+async def test_a_landed_delete_gives_no_lease_back_when_the_storage_fails_later(
+    stores: StoreFactory, how: str
+) -> None:
+    store = stores.open(faulty=True)
+    db = stores.faulty(store)
+    service = service_for(store, Clock())
+    msg_id = await queue_message(store, [("a@one.test", Z), ("b@one.test", Z)])
+    assert len(await service.lease(Z, "w1")) == 1  # both on the wire
+    await delete(store, how, msg_id)
+    await break_disk(store, db)
+    # Only a delete that failed puts its leases back; this one landed, and the two
+    # recipients are gone for good (a lease back would hold a record that is not there).
+    assert store.count(Z, State.LEASED) == 0
+    await heal(store, db)
+    assert_nothing_queued(store, msg_id)
+
+
+@async_test
+async def test_a_delivery_reported_while_a_failing_delete_is_written_completes_after_the_heal(
+    stores: StoreFactory,
+) -> None:
+    """The 250 comes while the delete's batch is being written (its lease revoked, so it is
+    taken as a delivery after a delete), and then that batch fails: the delete never
+    happened, and the delivery completes the recipient once the storage heals."""
+    store = stores.open(faulty=True)
+    db = stores.faulty(store)
+    service = service_for(store, Clock())
+    msg_id = await queue_message(store, [("a@one.test", Z)])
+    (job,) = await service.lease(Z, "w1")
+    db.gate = threading.Event()
+    db.entered.clear()
+    db.fail_writes = 1
+    deleting = asyncio.ensure_future(store.drop(msg_id, T0 + 1))
+    while not db.entered.is_set():  # the delete's batch is being written, held at the gate
+        await asyncio.sleep(0.001)
+    reported = outcome(job, Result.DELIVERED, reply=TEXT, **REPLY)
+    reporting = asyncio.ensure_future(service.report("w1", reported))
+    await asyncio.sleep(0.01)  # its event staged behind the delete
+    db.gate.set()
+    db.gate = None
+    with pytest.raises(StorageUnavailable):
+        await deleting
+    assert await reporting == ([], [job.recipients[0].token])  # refused: it looked deleted
+    await heal(store, db)
+    assert await service.lease(Z, "w2") == []  # not handed out a second time
+    assert [e.kind for e in outcome_events(store, "a@one.test")] == [EventKind.DELIVERED]
+    assert_nothing_queued(store, msg_id)
+    await assert_consistent(store)
