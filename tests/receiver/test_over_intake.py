@@ -23,7 +23,7 @@ from tests.receiver.harness import (
     stored_body,
 )
 from zoneq.ipc.intake_client import IntakeClient
-from zoneq.ipc.intake_server import IntakeServer
+from zoneq.ipc.intake_server import ADMIT_GRACE_S, IntakeServer
 from zoneq.receiver import SmtpReceiver
 from zoneq.runtime import StoreSink
 from zoneq.storage.store import QueueStore
@@ -113,3 +113,28 @@ def test_the_core_gone_is_421_4_3_0_in_session_and_at_connect(tmp_path: Path) ->
         await late.close()
 
     run(tmp_path, body)
+
+
+def test_an_admit_over_the_limit_waits_for_a_release_from_another_receiver(
+    tmp_path: Path,
+) -> None:
+    # Frames are ordered on one socket, not across two: a client that reconnects at once
+    # can be admitted by another receiver process before the first one's release arrives.
+    async def body(rx: SmtpReceiver, _: QueueStore, server: IntakeServer) -> None:
+        core_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        await server.attach(core_end, "receiver-1")
+        other = await IntakeClient.from_fd(child_end.detach(), "receiver-1")
+        try:
+            first = rx.sink
+            assert [await first.admit("192.0.2.7") for _ in range(2)] == [True, True]
+            reconnected = other.admit("192.0.2.7")
+            await asyncio.sleep(0.05)  # its ADMIT reaches the core first
+            first.release("192.0.2.7")  # the old connection's, on the other socket
+            assert await reconnected is True
+            began = asyncio.get_running_loop().time()
+            assert await other.admit("192.0.2.7") is False  # no release comes: refused
+            assert asyncio.get_running_loop().time() - began < 5 * ADMIT_GRACE_S
+        finally:
+            await other.close()
+
+    run(tmp_path, body, max_connections_per_client=2)

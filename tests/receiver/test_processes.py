@@ -42,10 +42,14 @@ WAIT = 30.0
 
 @contextlib.contextmanager
 def serving(
-    bed: Bed, log: Path, storage: Mapping[str, str] | None = None
+    bed: Bed,
+    log: Path,
+    storage: Mapping[str, str] | None = None,
+    receiver: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[ReceiverServe, int]]:
-    """``zoneq serve`` with ``RECEIVERS`` receiver processes, all of them connected."""
-    path = bed.config(receiver={"processes": str(RECEIVERS)}, storage=storage)
+    """``zoneq serve`` with ``RECEIVERS`` receiver processes, all of them connected; more
+    ``receiver`` keys (TOML values as text) when given."""
+    path = bed.config(receiver={"processes": str(RECEIVERS), **(receiver or {})}, storage=storage)
     serve = start_receiver_serve(path, log)
     try:
         serve.wait_ready(WORKERS + RECEIVERS)
@@ -146,6 +150,80 @@ def test_a_taken_port_is_a_start_up_error_naming_the_address(tmp_path: Path) -> 
             assert "receiver receiver-0 started" not in serve.log_text()
         finally:
             serve.cleanup()
+
+
+# --- the connection limit, counted in the core ---------------------------------------------
+
+LIMIT = 3
+ROUNDS = 200  # 20 to 59 of 600 reconnections were refused before the fix
+
+
+async def silent_client(port: int, seconds: float) -> bytes | None:
+    """Everything a client that never sends a byte is told until the server closes the
+    connection; None if it is still open after ``seconds``."""
+    raw = await Raw.connect(port)
+    try:
+        return await asyncio.wait_for(raw.reader.read(), seconds)
+    except TimeoutError:
+        return None
+    finally:
+        await raw.close()
+
+
+def test_past_the_limit_a_silent_client_is_told_421_and_closed_at_once(tmp_path: Path) -> None:
+    # The core's answer comes after the greeting; a refusal must not wait for the client
+    # to speak (one that never does would hold its session until the idle timeout).
+    receiver = {"max_connections_per_client": str(LIMIT)}
+    with (
+        mail_bed(tmp_path) as bed,
+        serving(bed, tmp_path / "serve.log", receiver=receiver) as (_, port),
+    ):
+
+        async def connect_ten() -> list[bytes | None]:
+            return await asyncio.gather(*(silent_client(port, 3.0) for _ in range(10)))
+
+        told = asyncio.run(connect_ten())
+    assert told.count(None) == LIMIT, told
+    for said in told:
+        if said is not None:
+            assert said.startswith(b"220 ") and b"\r\n421 4.7.0 " in said, said
+
+
+async def reconnect_without_reading_221(port: int, rounds: int) -> list[str]:
+    """Postfix's way with its default ``smtp_skip_quit_response = yes``: the greeting,
+    EHLO, QUIT and close without waiting for the 221, then connect again at once, ``rounds``
+    times.  The refusals it was given."""
+    refused = []
+    for _ in range(rounds):
+        raw = await Raw.connect(port)
+        reply = await raw.reply()
+        if reply.startswith("220 "):
+            reply = await raw.cmd("EHLO client.test")
+        if reply.startswith("250"):
+            await raw.send(b"QUIT\r\n")
+        else:
+            refused.append(reply)
+        await raw.close()
+    return refused
+
+
+def test_clients_within_the_limit_reconnecting_at_once_are_never_refused(
+    tmp_path: Path,
+) -> None:
+    # A new connection may land on the other receiver process, whose ADMIT can reach the
+    # core before the first process's RELEASE of the connection just closed.
+    receiver = {"max_connections_per_client": str(LIMIT)}
+    with (
+        mail_bed(tmp_path) as bed,
+        serving(bed, tmp_path / "serve.log", receiver=receiver) as (_, port),
+    ):
+
+        async def clients() -> list[list[str]]:
+            each = (reconnect_without_reading_221(port, rounds=ROUNDS) for _ in range(LIMIT))
+            return await asyncio.wait_for(asyncio.gather(*each), 120)
+
+        refused = [reply for replies in asyncio.run(clients()) for reply in replies]
+    assert refused == [], f"{len(refused)} of {ROUNDS * LIMIT} refused: {refused[:3]}"
 
 
 # --- a receiver killed -------------------------------------------------------------------

@@ -21,6 +21,9 @@ any reason, its running requests are awaited, then every open message is abandon
 every counted client released, at once.  A message whose commit succeeded but whose reply
 could not be delivered is the window of RFC 1047: the client never saw 250 and will send it
 again, so a duplicate is possible; it is logged with its id.
+
+An ADMIT over the limit waits a moment for a release before it is refused (``_admit``):
+the release of the client's last connection may be on another receiver's socket.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ __all__ = ["IntakeServer"]
 log = logging.getLogger("zoneq.ipc.intake")
 
 _READ_SIZE: Final = 262_144
+# How long an ADMIT over the limit waits for a release before it is answered refused.
+ADMIT_GRACE_S: Final = 0.2
 
 
 @dataclass(eq=False)
@@ -74,6 +79,9 @@ class IntakeServer:
     def __init__(self, sink: MessageSink) -> None:
         self._sink = sink
         self._serving: dict[str, asyncio.Task[None]] = {}
+        # Clients with an ADMIT over the limit waiting for a release (``_admit``).  An
+        # entry goes at the client's next release, which comes: its count is at the limit.
+        self._released: dict[str, asyncio.Event] = {}
 
     @property
     def connected(self) -> list[str]:
@@ -124,7 +132,7 @@ class IntakeServer:
         op, args = frame[0], frame[1:]
         if op == Op.RELEASE and len(args) == 1 and child.clients[args[0]] > 0:
             child.clients[args[0]] -= 1
-            self._sink.release(args[0])
+            self._release(args[0])
         elif op == Op.ABANDON and len(args) == 1:
             # One not open (committed, or never begun) is left alone: a child can only
             # ever abandon its own messages.
@@ -163,7 +171,7 @@ class IntakeServer:
             (client,) = _shape(args, 1)
             if not isinstance(client, str):
                 raise ProtocolError("ADMIT: client is not a string")
-            admitted = await sink.admit(client) is True
+            admitted = await self._admit(client)
             if admitted:
                 child.clients[client] += 1
             return admitted
@@ -204,6 +212,37 @@ class IntakeServer:
             )
         return None
 
+    async def _admit(self, client: str) -> bool:
+        """Count a connection from ``client``; over the limit, wait up to ``ADMIT_GRACE_S``
+        for one of its connections to be released before refusing.
+
+        Why: the client may have closed a connection already that the core has not heard of
+        yet.  A client closing without waiting for the 221 (Postfix's default
+        ``smtp_skip_quit_response``) reconnects at once, and the new connection can land on
+        another receiver process, whose ADMIT then overtakes the old one's RELEASE (frames
+        are ordered on one socket, not across two): a client within its limit was told 421
+        (69 connections of 600).  A refusal comes that much later, which costs only a
+        client over the limit."""
+        sink = self._sink
+        if await sink.admit(client) is True:
+            return True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ADMIT_GRACE_S
+        while (left := deadline - loop.time()) > 0:
+            released = self._released.setdefault(client, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(released.wait(), left)
+            if await sink.admit(client) is True:
+                return True
+        return False
+
+    def _release(self, client: str) -> None:
+        """A counted connection of ``client`` ended: ADMITs waiting for it try again."""
+        self._sink.release(client)
+        released = self._released.pop(client, None)
+        if released is not None:
+            released.set()
+
     @staticmethod
     def _owned(child: _Child, msg_id: object) -> bool:
         return isinstance(msg_id, int) and msg_id in child.open
@@ -233,7 +272,7 @@ class IntakeServer:
             await self._abandon(msg_id)
         for client, count in child.clients.items():
             for _ in range(count):
-                self._sink.release(client)
+                self._release(client)
         child.clients.clear()
         # Spare ids begun ahead (intake_client.py) are among them when the child crashed.
         log.info("receiver %s disconnected: %d open message(s) abandoned", child.name, len(doomed))

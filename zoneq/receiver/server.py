@@ -27,7 +27,9 @@ Choices:
   for the free-space floor), so the client keeps the message and retries.  A sink that is
   gone for good (``CoreUnreachable``: the core died) ends the session with 421 4.3.0.
 * Connections per client address are counted by the sink (``admit``), in the core, so the
-  limit holds across receiver processes.
+  limit holds across receiver processes.  A receiver process greets while the core
+  decides (the round trip is not added to every connection's greeting); a refusal is
+  421 4.7.0 and the close as soon as it comes, whether or not the client has spoken.
 * Relaying: clients in ``receiver.allow_networks`` and clients that authenticated; others
   get 554 5.7.1 at RCPT.  Source routes and the percent hack are refused from everyone
   (``relay.py``).
@@ -72,7 +74,7 @@ from zoneq.receiver.auth import Authenticator
 from zoneq.receiver.connection import Link
 from zoneq.receiver.hooks import ReceiveHooks
 from zoneq.receiver.relay import RelayPolicy
-from zoneq.receiver.session import TOO_MANY, SmtpSession, goodbye
+from zoneq.receiver.session import TOO_MANY, SmtpSession, counted, goodbye
 from zoneq.receiver.tls import accept_tls, handshake_timeout, server_context
 
 __all__ = ["SmtpReceiver"]
@@ -80,11 +82,6 @@ __all__ = ["SmtpReceiver"]
 log = logging.getLogger("zoneq.receiver")
 
 _CLOSE_GRACE_S: Final = 5.0  # how long close() lets sessions finish a commit in flight
-
-
-def _counted(admission: asyncio.Future[bool]) -> bool:
-    """Whether a settled admission counted the connection (a failed one did not)."""
-    return not admission.cancelled() and admission.exception() is None and admission.result()
 
 
 class SmtpReceiver:
@@ -257,7 +254,7 @@ class SmtpReceiver:
         except CoreUnreachable:
             await self._turn_away(link, "Service not available, queue unreachable", 3, 0)
             return
-        if admission.done() and not _counted(admission):
+        if admission.done() and not counted(admission):
             if admission.exception() is not None:
                 await self._turn_away(link, "Service not available, queue unreachable", 3, 0)
             else:
@@ -282,7 +279,7 @@ class SmtpReceiver:
                 await link.wait_closed(timeout_s=1.0)
 
     def _release(self, admission: asyncio.Future[bool], ip: str) -> None:
-        if _counted(admission):
+        if counted(admission):
             self.sink.release(ip)
 
     async def _turn_away(self, link: Link, text: str, subject: int, detail: int) -> None:

@@ -63,7 +63,15 @@ from zoneq.receiver.tls import start_tls
 if TYPE_CHECKING:
     from zoneq.receiver.server import SmtpReceiver  # which creates sessions
 
-__all__ = ["ALL_DROPPED", "MAIL_LOOP", "NO_POSTMASTER", "TOO_MANY", "SmtpSession", "goodbye"]
+__all__ = [
+    "ALL_DROPPED",
+    "MAIL_LOOP",
+    "NO_POSTMASTER",
+    "TOO_MANY",
+    "SmtpSession",
+    "counted",
+    "goodbye",
+]
 
 log = logging.getLogger("zoneq.receiver")
 
@@ -80,6 +88,11 @@ NO_POSTMASTER: Final = _r(550, "No postmaster address is configured here", 5, 1,
 
 def goodbye(code_text: str, klass: int, subject: int, detail: int, hostname: str) -> Reply:
     return Reply(421, (f"{hostname} {code_text}",), EnhancedStatus(klass, subject, detail))
+
+
+def counted(admission: asyncio.Future[bool]) -> bool:
+    """Whether a settled admission counted the connection (a failed one did not)."""
+    return not admission.cancelled() and admission.exception() is None and admission.result()
 
 
 class _SessionOver(Exception):
@@ -106,7 +119,8 @@ class SmtpSession:
     loop: asyncio.AbstractEventLoop
     _watchdog: asyncio.TimerHandle | None = None
     _expires = 0.0
-    _timed_out = False
+    _read_cut = False  # our own cancel of the read: its deadline, or the connection refused
+    _refused = False  # the late admission came back refused (or failed)
 
     def __init__(
         self,
@@ -118,8 +132,12 @@ class SmtpSession:
         tls: str = "",
     ) -> None:
         config = receiver.config
-        # Awaited before the first command when the sink could not answer at once.
-        self.admission: asyncio.Future[bool] | None = None if admission.done() else admission
+        # Awaited before the first command when the sink could not answer at once; a
+        # refusal that comes first ends the session without waiting for one.
+        self.admission: asyncio.Future[bool] | None = None
+        if not admission.done():
+            self.admission = admission
+            admission.add_done_callback(self._on_admission)
         self.receiver = receiver
         self.sink = receiver.sink
         self.link = link
@@ -194,13 +212,14 @@ class SmtpSession:
                     self._say_bye("Service shutting down", 4, 3, 2)
                     break
                 data = await self._read()
+                # The admission first: a refusal cuts the read (None) of a silent client.
+                if self.admission is not None and not await self._admitted():
+                    break
                 if data is None:
                     self._say_bye("Timeout, closing connection", 4, 4, 2)
                     break
                 if not data:
                     break  # the client went away
-                if self.admission is not None and not await self._admitted():
-                    break
                 await self._handle(self.conn.receive(data))
                 out = self.conn.data_to_send()
                 if out:
@@ -226,9 +245,9 @@ class SmtpSession:
 
     async def _read(self) -> bytes | None:
         """The next bytes from the client ("" at EOF), or None when the request in progress
-        ran out of time (``deadline.py``)."""
+        ran out of time (``deadline.py``) or the connection was refused (``_on_admission``)."""
         deadline = self.deadline
-        if deadline.expired:
+        if deadline.expired or self._refused:
             return None
         in_data = self.conn.state is State.DATA
         loop = self.loop
@@ -238,9 +257,9 @@ class SmtpSession:
         try:
             data = await self.link.read()
         except asyncio.CancelledError:
-            if not self._timed_out:
+            if not self._read_cut:
                 raise
-            self._timed_out = False
+            self._read_cut = False
             if self.task is not None:
                 self.task.uncancel()  # our own cancel, spent here (as asyncio.timeout does)
             return None
@@ -279,7 +298,19 @@ class SmtpSession:
         if self.loop.time() < self._expires:
             self._watchdog = self.loop.call_at(self._expires, self._on_watchdog)
         elif self.task is not None:
-            self._timed_out = True
+            self._read_cut = True
+            self.task.cancel()
+
+    def _on_admission(self, admission: asyncio.Future[bool]) -> None:
+        """The sink's late answer came.  A refusal must not wait for the client to speak:
+        one that never does would hold its socket and session until the idle timeout, past
+        the limit (1,500 of them from one address all stayed open).  Cut the read, as the
+        deadline does, and the loop answers 421 (RFC 5321 section 3.8) and closes."""
+        if counted(admission):
+            return
+        self._refused = True
+        if self._waiting_input and self.task is not None:
+            self._read_cut = True
             self.task.cancel()
 
     async def _admitted(self) -> bool:
