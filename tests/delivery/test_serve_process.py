@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.receiver.processes import start_receiver_serve
 from tests.support.dnsmasq import Dnsmasq, running_dnsmasq
 from tests.support.serve import (
     rss_anon_kib,
@@ -440,19 +441,24 @@ def _reply(stream: socket.socket) -> tuple[int, bytes]:
             return int(lines[-2][:3]), data
 
 
+@pytest.mark.parametrize("receivers", [0, 2], ids=["in-core", "receiver-processes"])
 def test_a_100_mb_message_sent_over_smtp_grows_no_serve_process_by_more_than_32_mb(
-    tmp_path: Path,
+    tmp_path: Path, receivers: int
 ) -> None:
     # Issue 4: DATA streams into the store's chunks as it arrives.  The client writes the
     # body a chunk at a time (it never holds the message either), and every process of
-    # serve (the core and its children) is sampled from before MAIL until the 250.
+    # serve (the core and its children: zone workers, and with ``receiver.processes`` the
+    # receiver processes that take the session and stream it to the core) is sampled from
+    # before MAIL until the 250.
     with serve_bed(tmp_path) as bed:
         config = bed.config(connections=2)
-        text = config.read_text().replace(
-            "[receiver]\n", '[receiver]\nmax_message_size = "200MiB"\n'
-        )
-        config.write_text(text)
-        with running_serve(config, tmp_path / "serve.log") as serve:
+        lines = 'max_message_size = "200MiB"\n' + f"processes = {receivers}\n"
+        config.write_text(config.read_text().replace("[receiver]\n", "[receiver]\n" + lines))
+        serve = start_receiver_serve(config, tmp_path / "serve.log")  # counts receivers too
+        try:
+            serve.wait_ready(2 + receivers)
+            receiver_pids = serve.receivers()
+            assert len(receiver_pids) == receivers
             pids = [serve.pid, *serve.workers()]
             peaks: dict[int, int] = {}
             baseline = {pid: rss_anon_kib(pid) or 0 for pid in pids}
@@ -492,7 +498,13 @@ def test_a_100_mb_message_sent_over_smtp_grows_no_serve_process_by_more_than_32_
             finally:
                 stop.set()
                 sampler.join()
+        finally:
+            serve.cleanup()
     growth = {pid: peak - baseline.get(pid, peak) for pid, peak in peaks.items()}
-    print(f"\n100 MB over SMTP: RssAnon growth by pid (KiB): {growth} (core {serve.pid})")
+    print(
+        f"\n100 MB over SMTP: RssAnon growth by pid (KiB): {growth} (core {serve.pid}, "
+        f"receivers {receiver_pids})"
+    )
     assert growth[serve.pid] < GROWTH_LIMIT_KIB, growth
+    assert set(receiver_pids) <= set(growth), (receiver_pids, growth)  # sampled throughout
     assert all(kib < GROWTH_LIMIT_KIB for kib in growth.values()), growth
