@@ -64,7 +64,7 @@ def test_source_routed_mailbox_domain_is_checked_too(parse: str) -> None:
     assert reply_to(parse, "@hop.test:eve@b.test.") == EMPTY_LABEL
 
 
-@pytest.mark.parametrize(("domain", "expected"), DOMAINS)
+@pytest.mark.parametrize(("domain", "expected"), DOMAINS + UTF8_DOMAINS)
 def test_the_http_api_refuses_the_same_domains(domain: str, expected: str) -> None:
     """Consistency with ``check_address``: what one refuses for an empty label, so does the
     other (the API also refuses other label syntax, which SMTP leaves to the next hop)."""

@@ -16,10 +16,18 @@ maps ``ß`` to ``ss`` and so names another domain.
 from __future__ import annotations
 
 import functools
+from typing import Final
 
 import idna
 
-__all__ = ["a_label", "ascii_address", "bare_domain", "normal_domain"]
+__all__ = [
+    "EMPTY_LABEL",
+    "a_label",
+    "ascii_address",
+    "bare_domain",
+    "has_empty_label",
+    "normal_domain",
+]
 
 
 def a_label(domain: str) -> str:
@@ -72,6 +80,29 @@ def bare_domain(domain: str) -> str:
     """``normal_domain`` without the root's dot (``example.com.`` is ``example.com``): the
     form lookups key by (routing, limits, TLS policy, the admin filters)."""
     return normal_domain(domain).rstrip(".")
+
+
+EMPTY_LABEL: Final = "empty domain label (a dot at either end, or two in a row)"
+"""Why a name with an empty label is refused, in the SMTP receiver's and the API's words."""
+
+# UTS 46 section 4 (as RFC 3490 section 3.1 before it) maps these full stops to ".".
+_FULL_STOPS: Final = str.maketrans("\u3002\uff0e\uff61", "...")
+
+
+def has_empty_label(domain: str) -> bool:
+    """Whether a domain name has an empty label: a dot at either end, or two in a row.
+
+    RFC 5321 section 4.1.2: Domain = sub-domain *("." sub-domain), each sub-domain at least
+    one character, so ``b.test.`` (the DNS root's dot) is no Domain.  Taken, it would be
+    queued as a destination of its own, with its own counters, routing and suppression
+    keys, beside ``b.test``.  An address literal (``[192.0.2.1]``, section 4.1.3) has no
+    labels.  In a non-ASCII name the full stops IDNA maps to "." separate labels too.
+    """
+    if domain.startswith("["):
+        return False
+    if not domain.isascii():
+        domain = domain.translate(_FULL_STOPS)
+    return domain.startswith(".") or domain.endswith(".") or ".." in domain
 
 
 # Non-ASCII names are few and repeat (a list message goes to the same few domains); the

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from zoneq.errors import ProtocolError
+from zoneq.protocol.domains import EMPTY_LABEL, has_empty_label
 from zoneq.protocol.dsn import Notify, Ret
 from zoneq.protocol.replies import EnhancedStatus, Reply
 from zoneq.protocol.xtext import utf8_xtext_decode, xtext_decode
@@ -76,10 +77,6 @@ _ATOM: Final = re.compile(r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+")
 # The domains are only checked to be printable words: the route is never followed.
 _HOP: Final = r"@[^\x00-\x20\x7f@,:<>\\\"]+"
 _ROUTE: Final = re.compile(rf"{_HOP}(?:,{_HOP})*")
-# UTS 46 section 4 (as RFC 3490 section 3.1 before it) maps these full stops to ".".
-_FULL_STOPS: Final = str.maketrans("\u3002\uff0e\uff61", "...")
-# In the words of the HTTP API's refusal (``zoneq.queue.intake``).
-_EMPTY_LABEL: Final = "empty domain label (a dot at either end, or two in a row)"
 
 
 class CommandError(ProtocolError):
@@ -202,23 +199,6 @@ def _split_route(path: str) -> tuple[str | None, str]:
     return route, mailbox
 
 
-def _empty_label(domain: str) -> bool:
-    """Whether a domain name has an empty label: a dot at either end, or two in a row.
-
-    RFC 5321 section 4.1.2: Domain = sub-domain *("." sub-domain), each sub-domain at least
-    one character, so ``b.test.`` (the DNS root's dot) is no Domain.  Taken, it would be
-    queued as a destination of its own, with its own counters, routing and suppression
-    keys, beside ``b.test``; the HTTP API refuses it (``zoneq.queue.intake``).  An address
-    literal (``[192.0.2.1]``, section 4.1.3) has no labels.  In an SMTPUTF8 address the
-    full stops that IDNA maps to "." (``zoneq.protocol.domains``) separate labels too.
-    """
-    if domain.startswith("["):
-        return False
-    if not domain.isascii():
-        domain = domain.translate(_FULL_STOPS)
-    return domain.startswith(".") or domain.endswith(".") or ".." in domain
-
-
 def _check_mailbox(path: str, *, utf8: bool, postmaster_ok: bool = False) -> str:
     """Validate a mailbox (a path's content without its source route) and return it."""
     if postmaster_ok and path.lower() == "postmaster":
@@ -231,8 +211,9 @@ def _check_mailbox(path: str, *, utf8: bool, postmaster_ok: bool = False) -> str
     quoted_local = len(local) >= 2 and local.startswith('"') and local.endswith('"')
     if _CONTROL.search(path) is not None or " " in domain or (" " in local and not quoted_local):
         raise CommandError(_reply(501, "Bad address syntax", 5, 1, 3))
-    if _empty_label(domain):
-        raise CommandError(_reply(501, f"Bad address syntax: {_EMPTY_LABEL}", 5, 1, 3))
+    if has_empty_label(domain):
+        # Refused here as the HTTP API refuses it (``zoneq.queue.intake``).
+        raise CommandError(_reply(501, f"Bad address syntax: {EMPTY_LABEL}", 5, 1, 3))
     if len(local.encode("utf-8")) > MAX_LOCAL_PART:
         raise CommandError(_reply(501, "Local part too long", 5, 1, 3))
     if not path.isascii() and not utf8:

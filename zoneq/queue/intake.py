@@ -56,7 +56,7 @@ from typing import Final
 from zoneq.config import Config
 from zoneq.errors import ZoneqError
 from zoneq.plugin import Drop, PluginHost
-from zoneq.protocol.domains import ascii_address, normal_domain
+from zoneq.protocol.domains import EMPTY_LABEL, ascii_address, has_empty_label, normal_domain
 from zoneq.protocol.relay_addresses import is_percent_hack
 from zoneq.protocol.replies import Reply
 from zoneq.queue.consults import ROUTE_DEADLINE_S, consult_all
@@ -157,9 +157,9 @@ def _domain_problem(domain: str) -> str | None:
     """What is wrong with ``domain`` as RFC 5321 section 4.1.2 has it, or None."""
     if domain.startswith("["):
         return _literal_problem(domain)
+    if has_empty_label(domain):  # the SMTP receiver's test, IDNA's full stops included
+        return EMPTY_LABEL
     for label in domain.split("."):
-        if not label:
-            return "empty domain label (a dot at either end, or two in a row)"
         if len(label.encode()) > _MAX_LABEL:
             return f"domain label longer than {_MAX_LABEL} octets (RFC 1035 2.3.4)"
         if not _DOMAIN_LABEL.fullmatch(label):
