@@ -1,6 +1,7 @@
-"""The supervisor (``zoneq/supervisor.py``): its restart back-off, the config text it hands
-each worker, and, with a real ``zoneq serve``, that a restarted worker runs the config the
-core loaded at start, not the file as edited since (there is no reload).
+"""The supervisor (``zoneq/supervisor.py``): its restart back-off, the config text and the
+log level it hands each worker and receiver process, and, with a real ``zoneq serve``, that
+a restarted worker or receiver runs the config the core loaded at start, not the file as
+edited since (there is no reload).
 
 The unit tests run the real ``Supervisor`` on ``/bin/sh`` children (``command``), so they
 take a fraction of a second: each child notes its start, or copies its stdin, and exits.
@@ -14,15 +15,20 @@ import itertools
 import os
 import re
 import signal
+import smtplib
+import socket
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 
+from tests.receiver.processes import start_receiver_serve
+from tests.receiver.test_processes import wait_until
 from tests.storage.conftest import async_test
-from tests.support.serve import running_serve, write_serve_config
-from zoneq.cli import _worker_config, build_parser
+from tests.support.serve import running_serve, smtp_port, write_serve_config
+from zoneq.cli import _child_config, build_parser
 from zoneq.config import Config, default_config_text, load_config
 from zoneq.errors import ConfigError
 from zoneq.supervisor import Backoff, Supervisor
@@ -92,16 +98,59 @@ async def test_a_child_that_exits_at_once_is_restarted_with_growing_capped_delay
         assert gap >= delay, (gaps, logged)
 
 
+Started = Callable[[Sequence[str], str, list[socket.socket]], Supervisor]
+
+
+def one_worker(command: Sequence[str], text: str, _: list[socket.socket]) -> Supervisor:
+    return Supervisor({"z": 1}, None, 5, config_text=text, backoff=FAST, command=command)
+
+
+def one_receiver(command: Sequence[str], text: str, held: list[socket.socket]) -> Supervisor:
+    """A receiver supervisor whose sockets (the listener, the core's ends) go to ``held``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held.append(listener)
+
+    async def attach(core_end: socket.socket, name: str) -> None:
+        held.append(core_end)
+
+    return Supervisor.receivers(
+        1,
+        None,
+        listener=listener,
+        attach=attach,
+        grace=5,
+        config_text=text,
+        backoff=FAST,
+        command=command,
+    )
+
+
+@pytest.mark.parametrize(
+    ("started", "arguments"),
+    [
+        (one_worker, r"worker --zone z --name z-0 --config-on-stdin"),
+        (
+            one_receiver,
+            r"receiver --name receiver-0 --listen-fd \d+ --intake-fd \d+ --config-on-stdin",
+        ),
+    ],
+    ids=["worker", "receiver"],
+)
+@pytest.mark.parametrize("level", ["DEBUG", "ERROR"])
 @async_test
-async def test_each_start_hands_the_child_the_config_text_on_stdin(tmp_path: Path) -> None:
+async def test_each_start_hands_the_child_the_config_text_and_the_log_level(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, started: Started, arguments: str, level: str
+) -> None:
     """The same text on a restart, followed by EOF: the child's ``cat`` returns, then it
-    notes its arguments."""
+    notes its arguments: ``--log-level`` first (zoneq's global option: before the
+    subcommand) with the level this process logs at."""
+    caplog.set_level(level)  # the root logger's, as ``zoneq --log-level`` sets it
     given = "# the text the core loaded\n"
     copies = tmp_path / "copies"
     args = tmp_path / "copies.args"
     copy_stdin = 'cat >> "$0"; echo "$@" >> "$0.args"; exit 3'
-    command = ("/bin/sh", "-c", copy_stdin, str(copies))
-    supervisor = Supervisor({"z": 1}, None, 5, config_text=given, backoff=FAST, command=command)
+    held: list[socket.socket] = []
+    supervisor = started(("/bin/sh", "-c", copy_stdin, str(copies)), given, held)
     await supervisor.start()
     try:
         deadline = time.monotonic() + 10
@@ -110,35 +159,44 @@ async def test_each_start_hands_the_child_the_config_text_on_stdin(tmp_path: Pat
             await asyncio.sleep(0.02)
     finally:
         await supervisor.stop()
+        for held_socket in held:
+            held_socket.close()
     assert copies.read_text().startswith(given * 2)
-    assert set(noted(args)) == {"worker --zone z --name z-0 --config-on-stdin"}
+    for line in noted(args):
+        assert re.fullmatch(f"--log-level {level} {arguments}", line), line
 
 
 def noted(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-# --- the child's side: zoneq worker --config-on-stdin -----------------------------------
+# --- the child's side: zoneq worker|receiver --config-on-stdin --------------------------
+
+CHILDREN = [
+    ["worker", "--zone", "default", "--name", "default-0"],
+    ["receiver", "--name", "receiver-0", "--listen-fd", "3", "--intake-fd", "4"],
+]
 
 
-def child_config(monkeypatch: pytest.MonkeyPatch, stdin: str, *args: str) -> Config:
+def child_config(
+    monkeypatch: pytest.MonkeyPatch, child: list[str], stdin: str, *args: str
+) -> Config:
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
-    parsed = build_parser(internal_only=True).parse_args(
-        ["worker", "--zone", "default", "--name", "default-0", "--config-on-stdin", *args]
-    )
-    return _worker_config(parsed)
+    parsed = build_parser(internal_only=True).parse_args([*child, "--config-on-stdin", *args])
+    return _child_config(parsed)
 
 
+@pytest.mark.parametrize("child", CHILDREN, ids=lambda child: child[0])
 def test_a_child_runs_the_text_on_its_stdin_not_the_file_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, child: list[str]
 ) -> None:
     served = default_config_text()
-    assert child_config(monkeypatch, served) == load_config(None)  # serve with no --config
+    assert child_config(monkeypatch, child, served) == load_config(None)  # no --config
     edited = tmp_path / "zones.toml"
     edited.write_text(served.replace("[zones.default]", "[zones.renamed]"))
-    assert "default" in child_config(monkeypatch, served, "--config", str(edited)).zones
+    assert "default" in child_config(monkeypatch, child, served, "--config", str(edited)).zones
     with pytest.raises(ConfigError, match=re.escape(f"{edited}: invalid TOML")):
-        child_config(monkeypatch, "[server", "--config", str(edited))  # named after the file
+        child_config(monkeypatch, child, "[server", "--config", str(edited))  # the file's name
 
 
 # --- with a real zoneq serve ----------------------------------------------------------
@@ -169,4 +227,39 @@ def test_a_restarted_worker_runs_the_config_serve_loaded_not_the_edited_file(
             time.sleep(0.1)
         log = serve.log_text()
     assert "no zone 'default'" not in log
+    assert "configuration error" not in log
+
+
+def advertised_size(port: int) -> str:
+    """The SIZE (RFC 1870) the receiver on 127.0.0.1:``port`` offers after its greeting."""
+    with smtplib.SMTP("127.0.0.1", port, timeout=10) as smtp:
+        code, _ = smtp.ehlo("client.test")
+        assert code == 250
+        return smtp.esmtp_features["size"]
+
+
+@pytest.mark.integration
+def test_a_restarted_receiver_process_serves_the_config_serve_loaded_not_a_broken_file(
+    tmp_path: Path,
+) -> None:
+    """``receiver.processes = 1`` and the file made invalid TOML while serve runs: the
+    receiver killed and restarted comes back and serves as before, its SIZE the loaded
+    one.  It used to read the file and exit 2 at every restart while the core kept the
+    listening socket: clients connected and heard no greeting."""
+    config = write_serve_config(tmp_path / "zoneq", mx_port=25, dns_port=53)  # no delivery
+    receiver = '[receiver]\nprocesses = 1\nmax_message_size = "1MiB"\n'
+    config.write_text(config.read_text().replace("[receiver]\n", receiver))
+    port = smtp_port(config)  # read now: the file will not parse
+    serve = start_receiver_serve(config, tmp_path / "serve.log")
+    try:
+        serve.wait_ready(3)  # a worker for each of the two zones, and the receiver
+        assert advertised_size(port) == str(1 << 20)
+        (first,) = serve.receivers()
+        config.write_text(config.read_text().replace("[receiver]", "[receiver"))
+        os.kill(first, signal.SIGKILL)  # the receiver of this serve's, by PID
+        wait_until("a receiver is back", lambda: bool(set(serve.receivers()) - {first}))
+        assert advertised_size(port) == str(1 << 20)
+        log = serve.log_text()
+    finally:
+        serve.cleanup()
     assert "configuration error" not in log

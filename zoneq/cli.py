@@ -44,10 +44,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _worker_config(args: argparse.Namespace) -> Config:
-    """A worker's config: with ``--config-on-stdin`` the text serve loaded at its start
-    (``--config`` only names it), so an edit of the file since then reaches no restarted
-    worker (there is no reload); else the file, for a worker started by hand."""
+def _child_config(args: argparse.Namespace) -> Config:
+    """A worker's or receiver's config: with ``--config-on-stdin`` the text serve loaded at
+    its start (``--config`` only names it), so an edit of the file since then reaches no
+    restarted child (there is no reload); else the file, for a child started by hand."""
     if not args.config_on_stdin:
         return load_config(args.config)
     text = sys.stdin.buffer.read().decode("utf-8")  # serve read it as UTF-8
@@ -56,7 +56,7 @@ def _worker_config(args: argparse.Namespace) -> Config:
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     try:
-        config = _worker_config(args)
+        config = _child_config(args)
     except ConfigError as exc:
         print(f"zoneq worker: configuration error:\n{exc}", file=sys.stderr)
         return 2
@@ -70,7 +70,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 def _cmd_receiver(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.config)
+        config = _child_config(args)
     except ConfigError as exc:
         print(f"zoneq receiver: configuration error:\n{exc}", file=sys.stderr)
         return 2
@@ -129,12 +129,7 @@ def build_parser(*, internal_only: bool = False) -> argparse.ArgumentParser:
     work = sub.add_parser("worker", help="a zone worker (started by serve, not by hand)")
     work.add_argument("--zone", required=True)
     work.add_argument("--name", required=True)
-    work.add_argument("--config", type=Path, default=None)
-    work.add_argument(
-        "--config-on-stdin",
-        action="store_true",
-        help="read the config's text from stdin (serve's), --config only naming it",
-    )
+    _add_config_options(work)
     work.set_defaults(func=_cmd_worker)
 
     rx = sub.add_parser("receiver", help="an SMTP receiver (started by serve, not by hand)")
@@ -144,7 +139,7 @@ def build_parser(*, internal_only: bool = False) -> argparse.ArgumentParser:
     rx.add_argument(
         "--tls-listen-fd", type=int, default=None, help="the core's implicit-TLS listening socket"
     )
-    rx.add_argument("--config", type=Path, default=None)
+    _add_config_options(rx)
     rx.set_defaults(func=_cmd_receiver)
 
     check = sub.add_parser("check-config", help="validate a config file and name each problem")
@@ -165,6 +160,16 @@ def build_parser(*, internal_only: bool = False) -> argparse.ArgumentParser:
     analytics_command.register(sub)
     hash_password.register(sub)  # for receiver.auth_users
     return parser
+
+
+def _add_config_options(child: argparse.ArgumentParser) -> None:
+    """A child's config options, read by ``_child_config``."""
+    child.add_argument("--config", type=Path, default=None)
+    child.add_argument(
+        "--config-on-stdin",
+        action="store_true",
+        help="read the config's text from stdin (serve's), --config only naming it",
+    )
 
 
 def _command_of(argv: list[str]) -> str | None:

@@ -133,7 +133,7 @@ async def serve(
 ) -> None:
     """Run until SIGTERM or SIGINT, then stop the workers and close the store cleanly.
     ``config_text`` is the text ``config`` was loaded from (``config_path``), which every
-    worker is handed (``Supervisor``)."""
+    child process is handed (``Supervisor``)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -178,7 +178,8 @@ async def serve(
         )
         if api is not None:
             running.push_async_callback(api.close)  # stopped right after the receiver
-        await _start_receiving(running, StoreSink(store, config), config, config_path, plugins)
+        sink = StoreSink(store, config)
+        await _start_receiving(running, sink, config, config_path, plugins, config_text=config_text)
         log.info("accepting SMTP on %s", config.receiver.listen)
         if config.receiver.tls_listen is not None:  # bound like listen, just above
             log.info("accepting SMTP with implicit TLS on %s", config.receiver.tls_listen)
@@ -255,6 +256,8 @@ async def _start_receiving(
     config: Config,
     config_path: Path | None,
     plugins: PluginHost,
+    *,
+    config_text: str | None,
 ) -> None:
     """The receiver in the core (with the core's ``plugins``; receiver processes load their
     own), or ``receiver.processes`` of them, handed the listening sockets bound here (the
@@ -283,6 +286,7 @@ async def _start_receiving(
         attach=intake.attach,
         tls_listener=tls_listener,
         grace=15,
+        config_text=config_text,
     )
     running.push_async_callback(receivers.stop)
     await receivers.start()

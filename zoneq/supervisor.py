@@ -1,24 +1,28 @@
 """Starts zoneq's child processes, restarts the ones that die, stops them on shutdown.
 
-Two kinds of children, one supervisor class:
+Two kinds of children, one supervisor class, each run as ``python -m zoneq --log-level V
+<kind> ... [--config-on-stdin] [--config F]``:
 
-* zone workers, ``python -m zoneq worker --zone Z --name N --config-on-stdin [--config F]``
-  (``Supervisor(workers, ...)``);
-* SMTP receiver processes, ``python -m zoneq receiver --name R --listen-fd L --intake-fd I
-  [--tls-listen-fd T] [--config F]`` (``Supervisor.receivers``).  Each start (a restart
-  too) hands the child its descriptors (``pass_fds``): the listening socket the core bound
-  (every receiver accepts on it and the kernel spreads the connections), the implicit-TLS
-  one with ``receiver.tls_listen`` (RFC 8314), and its end of a fresh Unix socket pair
-  whose other end the core serves with ``IntakeServer``: the child's queue, and the way
-  the core sees it die (EOF) and abandons what it had in progress.
+* zone workers, ``worker --zone Z --name N`` (``Supervisor(workers, ...)``);
+* SMTP receiver processes, ``receiver --name R --listen-fd L --intake-fd I [--tls-listen-fd
+  T]`` (``Supervisor.receivers``).  Each start (a restart too) hands the child its
+  descriptors (``pass_fds``): the listening socket the core bound (every receiver accepts
+  on it and the kernel spreads the connections), the implicit-TLS one with
+  ``receiver.tls_listen`` (RFC 8314), and its end of a fresh Unix socket pair whose other
+  end the core serves with ``IntakeServer``: the child's queue, and the way the core sees
+  it die (EOF) and abandons what it had in progress.
 
-Every worker, a restarted one too, is handed the text of the configuration the core loaded
+Every child, a restarted one too, is handed the text of the configuration the core loaded
 (``config_text``) on its stdin, and ``F`` only names it: zoneq has no reload (README), so a
-file edited while it runs must reach no worker, or one zone would run two configs at once
-(and a zone renamed in the file would leave its restarted workers refusing to start while
-the core routes mail into it).  Paths in the config mean what they meant to the core:
-relative ones are relative to the working directory, which the children inherit.  Receiver
-processes still read ``F`` at each start.
+file edited while it runs must reach no child, or zoneq would run two configs at once (a
+zone renamed in the file would leave its restarted workers refusing to start while the
+core routes mail into it; a receiver restarted into a file that no longer parses would
+exit again and again while the core keeps its listening socket, so clients would connect
+and hear no greeting).  Paths in the config mean what they meant to the core: relative
+ones are relative to the working directory, which the children inherit.  The files a
+path names are still read at each start: a receiver restarted after its TLS certificate
+was renewed serves the new one.  ``V`` is the level this process logs at (``zoneq
+--log-level``), so a child's lines are as many as the core's.
 
 A child that exits while zoneq is running is restarted after a delay (``Backoff``): 1 s
 after a crash, doubled with each quick crash after it up to 30 s, so a child that cannot
@@ -135,10 +139,16 @@ class Supervisor:
         attach: Attach,
         tls_listener: socket.socket | None = None,
         grace: float = 30.0,
+        config_text: str | None = None,
+        backoff: Backoff = Backoff(),
+        command: Sequence[str] = ZONEQ_COMMAND,
     ) -> Supervisor:
         """``count`` receiver processes accepting on ``listener`` (and on ``tls_listener``
-        for implicit TLS), each with a socket to the core that ``attach`` serves."""
-        supervisor = cls({}, config_path, grace)
+        for implicit TLS), each with a socket to the core that ``attach`` serves; the rest
+        as for workers."""
+        supervisor = cls(
+            {}, config_path, grace, config_text=config_text, backoff=backoff, command=command
+        )
         supervisor._slots = [
             _Slot("receiver", f"receiver-{n}", ["--name", f"receiver-{n}"]) for n in range(count)
         ]
@@ -146,7 +156,10 @@ class Supervisor:
         return supervisor
 
     def _command(self, slot: _Slot, *extra: str) -> list[str]:
-        command = [*self._zoneq, slot.kind, *slot.args, *extra]
+        # The root logger's level is what ``zoneq --log-level`` set (logs.configure); a
+        # global option, so it goes before the subcommand.
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        command = [*self._zoneq, "--log-level", level, slot.kind, *slot.args, *extra]
         if self._config_text is not None:
             command.append("--config-on-stdin")
         if self._config_path is not None:

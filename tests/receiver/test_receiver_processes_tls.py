@@ -1,13 +1,13 @@
 """Implicit TLS (``receiver.tls_listen``, RFC 8314 section 3.3) with ``receiver.processes``.
 
 A real ``zoneq serve`` with two receiver processes: the core binds both listening sockets
-and the supervisor hands both to every receiver process (a restarted one too); each
-process loads the certificate itself.  The parts are real: smtp-sink as the MX and
-dnsmasq as DNS (``tests/reliability/bed.py``), the queue on disk, the self-signed
-certificate of ``conftest.py`` (which the clients verify), aiosmtplib with ``use_tls`` and
-a raw TLS client, SIGKILL and SIGSTOP by PID.  Only 127.0.0.1 is allowed to relay, so the
-TLS client (from 127.0.0.2) relays because it authenticated; each test stops what it
-started, by PID.
+and the supervisor hands both to every receiver process (a restarted one too), with the
+text of the config the core loaded; each process loads the certificate files itself.  The
+parts are real: smtp-sink as the MX and dnsmasq as DNS (``tests/reliability/bed.py``), the
+queue on disk, the self-signed certificate of ``conftest.py`` (which the clients verify),
+aiosmtplib with ``use_tls`` and a raw TLS client, SIGKILL and SIGSTOP by PID.  Only
+127.0.0.1 is allowed to relay, so the TLS client (from 127.0.0.2) relays because it
+authenticated; each test stops what it started, by PID.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from pathlib import Path
 import aiosmtplib
 import pytest
 
-from tests.receiver.conftest import HOSTNAME, TlsFiles
+from tests.receiver.conftest import HOSTNAME, TlsFiles, _self_signed
 from tests.receiver.harness import Raw
 from tests.receiver.processes import ReceiverServe, owner_of, start_receiver_serve
 from tests.receiver.test_implicit_tls import (
@@ -234,13 +235,27 @@ async def _one_tls_message(run: Run, files: TlsFiles) -> tuple[int | None, str]:
         await session.close()
 
 
-def test_a_receiver_restarted_into_a_config_without_tls_still_serves_plain_smtp(
+def restart_every_receiver(run: Run) -> None:
+    """SIGKILL each receiver process (by PID) and wait until the supervisor has restarted
+    them all."""
+    originals = run.serve.receivers()
+    for pid in originals:
+        os.kill(pid, signal.SIGKILL)
+
+    def restarted() -> list[int]:
+        return [p for p in run.serve.receivers() if p not in originals]
+
+    wait_until("every receiver is back", lambda: len(restarted()) == RECEIVERS)
+
+
+def test_receivers_restarted_after_tls_left_the_file_serve_the_config_serve_loaded(
     tmp_path: Path, tls_files: TlsFiles
 ) -> None:
     """The operator removes the TLS lines (and the AUTH users, which need TLS) from
-    zones.toml under a running core; receivers restarted since are still handed the TLS
-    socket the core bound.  They say they cannot serve it, and go on serving the plain
-    port (exiting instead left no receiver at all: each restart exited again)."""
+    zones.toml under a running core, and every receiver process is restarted: there is no
+    reload, so they still serve implicit TLS and AUTH, as the core loaded them.  A
+    restarted receiver used to read the file: it could not serve the TLS socket the core
+    still held (a client there had no greeting), and zoneq ran two configs at once."""
     with serving(tmp_path, tls_files) as run:
         config = run.serve.config
         kept = [
@@ -249,16 +264,30 @@ def test_a_receiver_restarted_into_a_config_without_tls_still_serves_plain_smtp(
             if not line.startswith(("tls_listen ", "tls_cert ", "tls_key ", "auth_users "))
         ]
         config.write_text("".join(kept))
-        originals = run.serve.receivers()
-        for pid in originals:
-            os.kill(pid, signal.SIGKILL)
-
-        def restarted() -> list[int]:
-            return [p for p in run.serve.receivers() if p not in originals]
-
-        wait_until("both receivers are back", lambda: len(restarted()) == RECEIVERS)
-        with socket.create_connection(("127.0.0.1", run.port), timeout=10) as plain:
-            plain.settimeout(10)
-            assert plain.recv(200).startswith(b"220 ")
+        restart_every_receiver(run)
+        # Bounded: with no receiver serving TLS, the handshake would wait for a minute.
+        sending = send_over_implicit_tls(run.tls_port, tls_files, "after the edit")
+        assert "queued as" in asyncio.run(asyncio.wait_for(sending, 20))
+        assert "queued as" in asyncio.run(send_plain(run.port, "plain after the edit"))
         log = run.serve.log_text()
-    assert log.count("handed an implicit-TLS socket but tls_cert is unset") >= RECEIVERS
+    assert "configuration error" not in log
+
+
+def test_receivers_restarted_after_the_certificate_was_renewed_serve_the_new_one(
+    tmp_path: Path, tls_files: TlsFiles
+) -> None:
+    """The config is the text the core loaded, but the certificate and key are files that
+    each receiver process reads when it starts: new ones put in place under a running core
+    reach the receivers restarted since (a client that trusts only the new certificate
+    completes its handshake)."""
+    live = TlsFiles(tmp_path / "live.crt", tmp_path / "live.key", tls_files.other_key)
+    shutil.copy(tls_files.cert, live.cert)
+    shutil.copy(tls_files.key, live.key)
+    new_cert, new_key = _self_signed(tmp_path, "renewed")
+    renewed = TlsFiles(new_cert, new_key, tls_files.other_key)
+    with serving(tmp_path, live) as run:
+        shutil.copy(new_key, live.key)
+        shutil.copy(new_cert, live.cert)
+        restart_every_receiver(run)
+        sending = send_over_implicit_tls(run.tls_port, renewed, "renewed")
+        assert "queued as" in asyncio.run(asyncio.wait_for(sending, 20))

@@ -60,18 +60,6 @@ async def run(
 ) -> int:
     """Accept on ``listen_fd`` (and implicit TLS on ``tls_listen_fd``) into the core at
     ``intake_fd`` until SIGTERM (exit 0) or the core goes away (exit 1)."""
-    if tls_listen_fd is not None and config.receiver.tls_cert is None:
-        # The config file changed since the core started (it checked the pair then), and
-        # this receiver was restarted since.  Without a certificate it cannot serve TLS;
-        # exiting instead would leave the plain port unserved too (the supervisor would
-        # restart it into the same config again and again).
-        log.error(
-            "receiver %s: handed an implicit-TLS socket but tls_cert is unset: not accepting "
-            "implicit TLS until zoneq serve is restarted",
-            name,
-        )
-        os.close(tls_listen_fd)
-        tls_listen_fd = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
