@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from tests.storage.conftest import async_test
@@ -157,23 +158,35 @@ async def test_a_connection_with_a_stray_reply_is_not_kept() -> None:
 
 
 class StrayWhileIdle(FaultServer):
-    """FaultServer that sends one more 250 a little after answering the final dot, while
-    the client keeps the connection idle."""
+    """FaultServer that sends one more 250 after answering the final dot, when the test
+    says (``stray``): while the client keeps the connection idle."""
+
+    stray: asyncio.Event
 
     async def _data(self, reader: asyncio.StreamReader, session: Session, send: Send) -> bool:
         keep_going = await super()._data(reader, session, send)
-        await asyncio.sleep(0.1)
+        await self.stray.wait()
         await send(b"250 2.0.0 extra")
         return keep_going
+
+
+async def until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "not within the time allowed"
+        await asyncio.sleep(0.01)
 
 
 @async_test
 async def test_a_kept_connection_that_got_a_stray_reply_while_idle_is_not_reused() -> None:
     cache = ConnectionCache()
     async with StrayWhileIdle(Faults()) as server:
+        server.stray = asyncio.Event()
         await send(server.host, server.port, cache)
         assert len(cache) == 1  # kept: the stray reply had not come yet
-        await asyncio.sleep(0.3)
+        [[kept]] = cache._idle.values()
+        server.stray.set()
+        await until(lambda: not kept.channel.quiet)  # the client has read it, unasked
         server.faults.rcpt_replies = {1: b"550 5.1.1 No such user"}
         second = await send(server.host, server.port, cache, ["bad@ok.test", "good@ok.test"])
         assert [r.verdict for r in second.recipients] == [Verdict.BOUNCE, Verdict.DONE]
