@@ -29,11 +29,12 @@ from zoneq.storage.store import QueueStore
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _export(root: Path, fmt: Format) -> Path:
+def _export(root: Path, fmt: Format, messages: int = 8) -> Path:
     async def make() -> Path:
         store = QueueStore.open(root / "queue")
         store.recover()
-        await Traffic(store).day(messages=8, rounds=2)
+        if messages:
+            await Traffic(store).day(messages=messages, rounds=2)
         source = DirectorySource(store)
         try:
             export_events(source, root / "export", fmt)
@@ -77,6 +78,17 @@ def test_without_a_watermark_the_part_files_tell(jsonl_export: Path, tmp_path: P
     shutil.copytree(jsonl_export, copy)
     (copy / WATERMARK_FILE).unlink()
     assert inputs.detect_format([str(copy)], "auto") == "jsonl"
+
+
+@pytest.mark.parametrize("fmt", [Format.PARQUET, Format.JSONL])
+def test_an_idle_nodes_export_read_as_its_own_format_is_not_refused(
+    tmp_path: Path, fmt: Format
+) -> None:
+    """Its watermark names the format but it holds no part file: 0 events is its day,
+    not a sign of the wrong --input-format."""
+    idle = _export(tmp_path, fmt, messages=0)
+    assert (idle / "events").is_dir() and (idle / WATERMARK_FILE).exists()
+    inputs.refuse_empty(0, [str(idle)], fmt.value, None)  # type: ignore[arg-type]
 
 
 @pytest.mark.integration

@@ -135,12 +135,15 @@ def detect_format(inputs: Sequence[str], requested: str, spark: SparkSession | N
     return found.pop() if found else "parquet"
 
 
-def held_formats(inputs: Sequence[str], spark: SparkSession | None = None) -> set[str]:
-    """The export formats found in ``inputs`` (remote ones only with ``spark``)."""
+def held_formats(
+    inputs: Sequence[str], spark: SparkSession | None = None, *, parts_only: bool = False
+) -> set[str]:
+    """The export formats found in ``inputs`` (remote ones only with ``spark``): a local
+    one's watermark says, unless ``parts_only`` asks for the part files there are."""
     found: set[str] = set()
     for uri in inputs:
         path = local_path(uri)
-        held = _local_format(path) if path is not None else None
+        held = _local_format(path, parts_only) if path is not None else None
         if held is None and spark is not None:
             held = hadoop_part_format(spark, uri)
         if held is not None:
@@ -157,11 +160,12 @@ def _part_format(name: str) -> str | None:
     return suffix if suffix in FORMATS else None
 
 
-def _local_format(root: Path) -> str | None:
-    try:
-        return str(json.loads((root / WATERMARK_FILE).read_text())["format"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+def _local_format(root: Path, parts_only: bool = False) -> str | None:
+    if not parts_only:
+        try:
+            return str(json.loads((root / WATERMARK_FILE).read_text())["format"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
     for _, _, names in os.walk(root / "events"):
         for name in names:
             if (fmt := _part_format(name)) is not None:
@@ -193,7 +197,8 @@ def refuse_empty(count: int, roots: Sequence[str], fmt: str, spark: SparkSession
     day."""
     if count:
         return
-    found = held_formats(roots, spark)
+    # Part files, not watermarks: an idle node's export has a watermark and no events.
+    found = held_formats(roots, spark, parts_only=True)
     if found:
         raise AnalyticsError(
             f"0 events read as {fmt}, but the inputs hold {' and '.join(sorted(found))} "
