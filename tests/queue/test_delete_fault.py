@@ -3,8 +3,10 @@
 Real LevelDB directories; ``FaultyDatabase`` (tests/storage/conftest.py) fails the writes.
 A delete whose batch fails never happened: the recipient is still queued and its delivery
 still on the wire, so its 250 completes it once the storage heals, and it is not handed out
-again.  A delete that landed stays, and the 250 reported after it is on record (its
-DELIVERED event) even when the storage fails before that event is written.
+again; but one its worker finished with undelivered meanwhile (deferred, bounced, returned,
+or gone with its connection) is ready again, for another.  A delete that landed stays, and
+the 250 reported after it is on record (its DELIVERED event) even when the storage fails
+before that event is written.
 """
 
 from __future__ import annotations
@@ -17,11 +19,19 @@ import pytest
 
 from tests.queue.test_delete_in_flight import REPLY, TEXT, assert_nothing_queued, outcome_events
 from tests.queue.test_service import Clock, Z, outcome, service_for
-from tests.storage.conftest import T0, StoreFactory, assert_consistent, async_test, queue_message
+from tests.storage.conftest import (
+    T0,
+    FaultyDatabase,
+    StoreFactory,
+    assert_consistent,
+    async_test,
+    queue_message,
+)
 from tests.storage.test_held import break_disk, heal
-from zoneq.errors import StorageUnavailable
+from zoneq.errors import LeaseError, StorageUnavailable
 from zoneq.protocol.events import EventKind
 from zoneq.queue.service import Result
+from zoneq.storage.base import Lease, Outcome
 from zoneq.storage.records import State
 from zoneq.storage.store import QueueStore
 
@@ -130,8 +140,8 @@ async def test_a_delivery_reported_while_a_failing_delete_is_written_completes_a
     db.entered.clear()
     db.fail_writes = 1
     deleting = asyncio.ensure_future(store.drop(msg_id, T0 + 1))
-    while not db.entered.is_set():  # the delete's batch is being written, held at the gate
-        await asyncio.sleep(0.001)
+    # The delete's batch is being written, held at the gate.
+    assert await asyncio.to_thread(db.entered.wait, 10), "the delete's batch was never written"
     reported = outcome(job, Result.DELIVERED, reply=TEXT, **REPLY)
     reporting = asyncio.ensure_future(service.report("w1", reported))
     await asyncio.sleep(0.01)  # its event staged behind the delete
@@ -144,4 +154,127 @@ async def test_a_delivery_reported_while_a_failing_delete_is_written_completes_a
     assert await service.lease(Z, "w2") == []  # not handed out a second time
     assert [e.kind for e in outcome_events(store, "a@one.test")] == [EventKind.DELIVERED]
     assert_nothing_queued(store, msg_id)
+    await assert_consistent(store)
+
+
+# A delete's batch failing after the worker reported its recipient undelivered.  The report
+# is refused (the lease looked revoked) and the core forgets the token; the failed delete
+# then must not lease the record back to that worker, which has moved on: nobody would
+# report it, and it would stay leased for good.  It is left ready, to be tried again.
+
+# The reports of a recipient not delivered, by result: the fields a worker sends with it.
+UNDELIVERED: dict[Result, dict[str, object]] = {
+    Result.DEFERRED: {"reply": "451 4.3.0 later", "code": 451},
+    Result.BOUNCED: {"reply": "550 5.1.1 no such user", "code": 550},
+    Result.RETURNED: {},
+}
+
+
+async def start_failing_delete(
+    store: QueueStore, db: FaultyDatabase, msg_id: int
+) -> asyncio.Future[int]:
+    """A delete whose batch will fail, returned once that batch is being written (held at
+    the gate): its lease revoked, whether the delete happened not yet known."""
+    db.gate = threading.Event()
+    db.entered.clear()
+    db.fail_writes = 1
+    deleting = asyncio.ensure_future(store.drop(msg_id, T0 + 1))
+    assert await asyncio.to_thread(db.entered.wait, 10), "the delete's batch was never written"
+    return deleting
+
+
+async def fail_delete(db: FaultyDatabase, deleting: asyncio.Future[int]) -> None:
+    """Let the delete's batch go on, and fail: the delete never happened."""
+    assert db.gate is not None
+    db.gate.set()
+    db.gate = None
+    with pytest.raises(StorageUnavailable):
+        await deleting
+
+
+async def end_undelivered(store: QueueStore, how: str, lease: Lease) -> None:
+    """The worker's end of ``lease`` without a delivery, refused for the delete in flight
+    (``release_owner``: its connection dropped, nothing of it left to refuse)."""
+    if how == "release_owner":
+        assert store.release_owner("w1") == 0
+        return
+    with pytest.raises(LeaseError):
+        if how == "defer":
+            await store.defer(lease, T0 + 2, T0 + 60_000, Outcome(reply="451 4.3.0 later"))
+        elif how == "bounce":
+            await store.bounce(lease, T0 + 2, Outcome(reply="550 5.1.1 no such user"))
+        elif how == "hold":
+            await store.hold_leased(lease, "held by administrator", T0 + 2)
+        else:
+            store.release(lease)
+
+
+@pytest.mark.parametrize("how", ["defer", "bounce", "hold", "release", "release_owner"])
+@async_test
+async def test_an_undelivered_report_during_a_failing_delete_leaves_the_record_ready(
+    stores: StoreFactory, how: str
+) -> None:
+    store = stores.open(faulty=True)
+    db = stores.faulty(store)
+    msg_id = await queue_message(store, [("a@one.test", Z)])
+    (lease,) = store.lease(Z, 1, "w1")
+    deleting = await start_failing_delete(store, db, msg_id)
+    await end_undelivered(store, how, lease)
+    await fail_delete(db, deleting)
+    assert store.count(Z, State.LEASED) == 0  # no lease given back to a worker that is done
+    await heal(store, db)
+    assert (store.count(Z, State.READY), store.count(Z, State.LEASED)) == (1, 0)
+    (again,) = store.lease(Z, 1, "w2")  # handed out again, as before the delete
+    assert again.recipient.address == "a@one.test"
+    assert [e.kind for e in outcome_events(store, "a@one.test")] == []  # no outcome written
+    await assert_consistent(store)
+
+
+@pytest.mark.parametrize("how", [Result.DEFERRED, Result.BOUNCED, Result.RETURNED, "disconnect"])
+@async_test
+async def test_a_worker_done_during_a_failing_delete_leaves_its_recipient_to_another(
+    stores: StoreFactory, how: Result | str
+) -> None:
+    """Through the service: a ``zoneq queue delete`` whose batch fails while the worker
+    reports (or goes away); after the heal the recipient goes out again, to another."""
+    store = stores.open(faulty=True)
+    db = stores.faulty(store)
+    service = service_for(store, Clock())
+    msg_id = await queue_message(store, [("a@one.test", Z)])
+    (job,) = await service.lease(Z, "w1")
+    deleting = await start_failing_delete(store, db, msg_id)
+    if isinstance(how, Result):
+        fields = UNDELIVERED[how]
+        token = job.recipients[0].token
+        assert await service.report("w1", outcome(job, how, **fields)) == ([], [token])
+    else:
+        assert service.disconnected("w1") == 1
+    await fail_delete(db, deleting)
+    await heal(store, db)
+    (again,) = await service.lease(Z, "w2")
+    assert [r.address for r in again.recipients] == ["a@one.test"]
+    assert (store.count(Z, State.READY), store.count(Z, State.LEASED)) == (1, 1)
+    await assert_consistent(store)
+
+
+@async_test
+async def test_a_recipient_waiting_for_a_worker_during_a_failing_delete_goes_out_after_the_heal(
+    stores: StoreFactory,
+) -> None:
+    """Its job waits in the service (leased to the core) when the delete revokes its lease;
+    a worker's request then leaves it out of the job, and the delete fails: after the heal
+    it goes out all the same."""
+    store = stores.open(faulty=True)
+    db = stores.faulty(store)
+    service = service_for(store, Clock())
+    await queue_message(store, [("a@one.test", Z)])
+    msg_id = await queue_message(store, [("b@two.test", Z)])
+    (first,) = await service.lease(Z, "w1")  # b@two.test's job waits for the next worker
+    assert first.msg_id != msg_id and store.count(Z, State.LEASED) == 2
+    deleting = await start_failing_delete(store, db, msg_id)
+    assert await service.lease(Z, "w2") == []  # looks deleted: not sent
+    await fail_delete(db, deleting)
+    await heal(store, db)
+    (again,) = await service.lease(Z, "w3")
+    assert [r.address for r in again.recipients] == ["b@two.test"]
     await assert_consistent(store)

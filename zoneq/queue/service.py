@@ -446,6 +446,12 @@ class QueueService:
         # Recipients wait here leased to the core; one an administrator dropped meanwhile has
         # had its lease revoked, and must not go out.
         current = [lease for lease in planned.items if self._store.holds(lease)]
+        for lease in planned.items:
+            # Given back all the same (refused): should the delete's batch fail, its record
+            # is then ready again, not leased to the core for good (``QueueStore._ended``).
+            if not self._store.holds(lease):
+                with contextlib.suppress(LeaseError):
+                    self._store.release(lease)
         meta = None
         if current:
             try:

@@ -155,7 +155,8 @@ class StoreBase:
         self._held_bytes = 0
         self._replays: set[asyncio.Task[None]] = set()
         # Leases revoked by deletes whose batches have not landed: put back if they fail
-        # (``_on_failure``), for the record is still queued and its delivery on the wire.
+        # (``_on_failure``), for the record is still queued and its delivery on the wire
+        # (unless its worker reported it undelivered meanwhile: ``_ended``).
         self._revoking: dict[bytes, Lease] = {}
         self._cursors: dict[str, bytes] = {}
         self._due_marks: dict[str, bytes] = {}
@@ -633,6 +634,22 @@ class StoreBase:
                 f"lease {lease.token} for {lease.recipient.address} in zone "
                 f"{lease.recipient.zone} is not current (released, expired or taken over)"
             )
+
+    def _ended(self, lease: Lease) -> None:
+        """``_current``, for a report that ends ``lease`` undelivered (deferred, bounced,
+        held, returned).  Refused because a delete still being written revoked it, it is
+        over all the same: nothing of it is on the wire any more, so should that delete
+        fail, ``_put_back_revoked`` must not lease the record to a worker that has moved
+        on (nobody would report it again, and it would never be handed out); it is left
+        ready instead, to be tried again.  A delivery keeps its revoked lease: its record
+        is completed after the heal (``AdminMixin._delivered_again``)."""
+        try:
+            self._current(lease)
+        except LeaseError:
+            revoked = self._revoking.get(lease.key)
+            if revoked is not None and revoked.token == lease.token:
+                del self._revoking[lease.key]
+            raise
 
     def _take(self, lease: Lease) -> None:
         self._current(lease)

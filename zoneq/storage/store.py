@@ -387,8 +387,8 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
     def release(self, lease: Lease) -> None:
         """Give a lease back unchanged (the worker did not try): ready again at once, or
         held if its message was held meanwhile (``holdmarks.py``)."""
+        self._ended(lease)  # refused if revoked, before anything changes
         if self._hold_marks and lease.key in self._hold_marks:
-            self._current(lease)
             # Still leased until the task below stages the hold: never handed out meanwhile.
             hold = self.hold_leased(lease, self._hold_marks[lease.key], 0)
             task = asyncio.get_running_loop().create_task(hold)
@@ -396,13 +396,17 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             task.add_done_callback(self._replays.discard)
             task.add_done_callback(_released_held)
             return
-        self._take(lease)
+        del self._leases[lease.key]
         if self._retry_marks:  # ready again at once: nothing left for a retry to do
             forget(self._retry_marks, lease.key)
         self._cursor_back(lease.recipient.zone, lease.key)
 
     def release_owner(self, owner: str) -> int:
-        """Return every lease of ``owner`` (its connection dropped); how many."""
+        """Return every lease of ``owner`` (its connection dropped); how many.  Those a
+        delete still being written revoked are over too (``_ended``): nobody will report
+        them, so a failed delete must leave their records ready, not leased to nobody."""
+        for key in [key for key, lease in self._revoking.items() if lease.owner == owner]:
+            del self._revoking[key]
         mine = [lease for lease in self._leases.values() if lease.owner == owner]
         for lease in mine:
             self.release(lease)
@@ -459,7 +463,7 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         held = Held(lease, replay, notice_size(delay_notice))
         if self._hold_if_failed(held):
             return
-        self._current(lease)
+        self._ended(lease)
         if self._hold_marks and lease.key in self._hold_marks:
             # Its message was held while it was on the wire: held, not deferred.
             reason = self._hold_marks[lease.key]
@@ -505,7 +509,7 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         held = Held(lease, functools.partial(self.hold_leased, lease, reason, now_ms, outcome))
         if self._hold_if_failed(held):
             return
-        self._current(lease)
+        self._ended(lease)
         await self._held_at_end(held, reason, now_ms, outcome)
 
     def _held_at_end(
@@ -561,7 +565,7 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         held = Held(lease, replay, notice_size(notice))
         if self._hold_if_failed(held):
             return
-        self._current(lease)  # a stale lease is refused before anything else is looked at
+        self._ended(lease)  # a stale lease is refused before anything else is looked at
         head = self._outcome_head(lease)
         record = lease.recipient.after_attempt(now_ms, outcome.reply)
         kind = EventKind.EXPIRED if expired else EventKind.BOUNCED
