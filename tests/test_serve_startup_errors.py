@@ -66,28 +66,31 @@ def test_a_second_serve_on_the_same_ipc_socket_is_one_line_naming_the_key(
 def test_a_missing_directory_for_the_ipc_socket_is_created_0700(tmp_path: Path) -> None:
     config = a_config(tmp_path / "zoneq")
     socket_path = tmp_path / "run" / "zoneq" / "zoneq.sock"
-    set_config_line(config, "api", f'ipc_socket = "{socket_path!s}"')
+    set_config_line(config, "server", f'ipc_socket = "{socket_path!s}"')
     with running_serve(config, tmp_path / "serve.log"):
         assert socket_path.is_socket()
         assert stat.S_IMODE(socket_path.parent.stat().st_mode) == 0o700
 
 
 @pytest.mark.parametrize(
-    ("where", "reason"),
-    [("a-file/zoneq.sock", "File exists"), ("a-file/run/zoneq.sock", "Not a directory")],
+    ("where", "problem"),
+    [
+        ("a-file/zoneq.sock", "{tmp}/a-file is not a directory"),
+        ("a-file/run/zoneq.sock", "cannot create its directory: Not a directory"),
+    ],
 )
 def test_an_ipc_socket_under_a_regular_file_is_one_line_naming_the_key(
-    tmp_path: Path, where: str, reason: str
+    tmp_path: Path, where: str, problem: str
 ) -> None:
     (tmp_path / "a-file").write_text("not a directory\n")
     config = a_config(tmp_path / "zoneq")
     socket_path = tmp_path / where
-    set_config_line(config, "api", f'ipc_socket = "{socket_path!s}"')
+    set_config_line(config, "server", f'ipc_socket = "{socket_path!s}"')
     done = zoneq("serve", "--config", str(config))
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (  # after the queue's "open" line
-        f"zoneq: server.ipc_socket {socket_path}: cannot create its directory: {reason}"
+        f"zoneq: server.ipc_socket {socket_path}: {problem.format(tmp=tmp_path)}"
     )
 
 

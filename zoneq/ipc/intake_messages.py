@@ -157,9 +157,9 @@ class MessageSink(Protocol):
 
         Already done when the answer is known at once (in the core): the receiver then
         answers 421 instead of its greeting.  A receiver process has to ask the core; it
-        greets meanwhile and awaits the answer before it reads the first command, so the
-        round trip is not one more wait for every connection; a refusal is then the 421
-        reply to that command (RFC 5321 section 3.8 allows 421 to any command).
+        greets meanwhile, so the round trip is not one more wait for every connection, and
+        a refusal is a 421 as soon as it comes, whether or not the client has spoken (RFC
+        5321 section 3.8 allows 421 at any time).
         """
         ...
 

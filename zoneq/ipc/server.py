@@ -8,7 +8,8 @@ is bound, then chmod-ed, and only then listened on; until ``listen()`` a connect
 so there is no moment when the socket is open to others.  A socket file left by a core that
 died is removed at start; one that still answers belongs to a live core and is left alone.
 A missing directory for the socket is created, mode 0700 like a runtime directory (only our
-own user has business there); one that cannot be (a regular file in the way) is a
+own user has business there; missing ancestors get the umask's mode, as ``mkdir -p -m``
+gives them); one that cannot be (a regular file in the way) is a
 ``SocketUnusable`` naming the path, as is a bind the kernel refuses.
 
 Each connection is served by a reader loop.  The first request must be ``Hello``; it is
@@ -386,6 +387,9 @@ def _make_directory(path: Path) -> None:
     """Create the socket's directory if it is missing (its own ancestors too)."""
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except FileExistsError:
+        # mkdir's EEXIST for a name in the way that is not a directory.
+        raise SocketUnusable(f"{path}: {path.parent} is not a directory") from None
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise SocketUnusable(f"{path}: cannot create its directory: {reason}") from None
