@@ -17,7 +17,7 @@ from tests.support.command import zoneq
 from zoneq.analytics import inputs
 from zoneq.export import watermark
 from zoneq.export.files import Format
-from zoneq.export.run import export_events, export_queue
+from zoneq.export.run import export_events, export_format, export_queue
 from zoneq.export.sources import DirectorySource
 from zoneq.export.watermark import ExportError
 
@@ -43,6 +43,25 @@ def test_only_queue_keeps_the_exports_format_unless_told_another(tmp_path: Path)
     assert again.returncode == 0, again.stderr
     assert "events: 0 exported" in again.stdout
     assert not any(out.rglob("*.parquet"))
+
+
+@pytest.mark.parametrize(
+    ("held", "expected"),
+    [
+        ((), Format.PARQUET),  # a new directory
+        (("current.jsonl",), Format.JSONL),  # a queue-only export from before watermarks
+        (("current.parquet",), Format.PARQUET),
+        (("current.jsonl", "current.parquet"), Format.PARQUET),  # no telling: the default
+    ],
+)
+def test_without_a_watermark_the_queue_file_tells_the_format(
+    tmp_path: Path, held: tuple[str, ...], expected: Format
+) -> None:
+    (tmp_path / "queue").mkdir()
+    for name in held:
+        (tmp_path / "queue" / name).write_bytes(b"")
+    assert export_format(tmp_path, None) is expected
+    assert export_format(tmp_path, Format.JSONL) is Format.JSONL  # asked for: as asked
 
 
 @async_test

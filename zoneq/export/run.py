@@ -111,12 +111,16 @@ def _export_events(
 
 def export_format(out: Path, requested: Format | None) -> Format:
     """The format to export into ``out`` in: ``requested``, else the one ``out`` holds
-    (its watermark's), else Parquet.  A ``requested`` format ``out`` does not hold is
-    refused later, by ``export_events`` and ``export_queue``."""
+    (its watermark's, or for a queue-only export written before the queue had one, its
+    queue file's), else Parquet.  A ``requested`` format ``out`` does not hold is refused
+    later, by ``export_events`` and ``export_queue``."""
     if requested is not None:
         return requested
     mark = watermark.load(out)
-    return Format.PARQUET if mark is None else mark.fmt
+    if mark is not None:
+        return mark.fmt
+    held = [fmt for fmt in Format if (out / QUEUE_DIR / (QUEUE_STEM + fmt.suffix)).exists()]
+    return held[0] if len(held) == 1 else Format.PARQUET
 
 
 def _kept_format(out: Path, fmt: Format) -> Watermark:
