@@ -625,7 +625,11 @@ class StoreBase:
         if remaining > gone:
             return [(keys.message_head(msg_id), encode_head(created, remaining - gone))]
         self._counters.add(MESSAGES, -1)
-        return self._message_deletes(msg_id)
+        ops = self._message_deletes(msg_id)
+        # Delivered or bounced, a big body is as dead as a deleted one: its space comes back
+        # only when a compaction reaches it, which the zone marks' ranges do not promise.
+        ops.extend(self._note_dead_body(msg_id, len(ops) - 2))  # all but head and metadata
+        return ops
 
     def _current(self, lease: Lease) -> None:
         current = self._leases.get(lease.key)

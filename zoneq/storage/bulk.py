@@ -68,11 +68,9 @@ class BulkMixin(StoreBase):
             if head is None:
                 ops.extend(self._headless(msg_id, removed))  # its dead body noted there
                 continue
-            deletes = self._recipients_gone(msg_id, head, count)
-            ops.extend(deletes)
-            # A purge of big messages (a full disk's remedy) gets the space back as a
-            # delete does (``_note_dead_body``); a delivery's removal is left to LevelDB.
-            ops.extend(self._note_dead_body(msg_id, len(deletes) - 2))  # all but head, meta
+            # A purge of big messages (a full disk's remedy) gets the space back: the
+            # message's removal notes its dead body (``_note_dead_body``).
+            ops.extend(self._recipients_gone(msg_id, head, count))
         if ops:
             await self._stage_removal(ops)
         return len(chosen)
