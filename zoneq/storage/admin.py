@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from collections import Counter
 from collections.abc import Iterator, Sequence
 
 from zoneq.errors import NotFound, StorageCorruption, StorageUnavailable
@@ -329,6 +330,16 @@ class AdminMixin(StoreBase):
         return self._counters.get(domain_key(zone, domain, state.value))
 
     def domain_counts(self, zone: str, state: State) -> dict[str, int]:
+        """Recipients of ``zone`` per destination domain in ``state``: from the counters,
+        or for LEASED (kept in memory only, no counter) from the leases out, which the
+        workers' connections bound."""
+        if state is State.LEASED:
+            leased: Counter[str] = Counter(
+                normal_domain(lease.recipient.domain)
+                for lease in self._leases.values()
+                if lease.recipient.zone == zone
+            )
+            return dict(leased)
         return dict(self._counters.items("domain-" + state.value, zone))
 
     def message_count(self) -> int:
