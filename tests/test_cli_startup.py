@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from tests.support.command import zoneq
 from zoneq.cli import _command_of
 
 HEAVY = ("aiohttp", "zoneq.api.app", "zoneq.export.command", "zoneq.runtime")
@@ -55,3 +56,17 @@ def test_the_full_command_line_still_has_every_command() -> None:
     help_text = build_parser().format_help()
     for command in ("serve", "worker", "receiver", "check-config", "queue", "send", "export"):
         assert command in help_text
+
+
+@pytest.mark.parametrize("level", ["bogus", ""])
+def test_an_unknown_log_level_is_a_usage_error(level: str) -> None:
+    done = zoneq("--log-level", level, "check-config", timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "argument --log-level: invalid choice" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_log_level_is_read_in_any_case() -> None:
+    done = zoneq("--log-level", "warning", "check-config", timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "the built-in configuration: ok" in done.stdout

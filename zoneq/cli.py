@@ -21,6 +21,8 @@ from zoneq.errors import ConfigError, DataDirError, ListenError, StoreLocked
 # Started by ``zoneq serve``, never by hand: their parsers are all these processes need.
 _INTERNAL = frozenset({"worker", "receiver"})
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
@@ -119,7 +121,15 @@ def build_parser(*, internal_only: bool = False) -> argparse.ArgumentParser:
     modules are the heavy ones."""
     parser = argparse.ArgumentParser(prog="zoneq", description="zone-routing mail delivery engine")
     parser.add_argument("--version", action="version", version=f"zoneq {__version__}")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    # Checked by argparse, so that an unknown level is a usage error (exit 2) and not a
+    # traceback from logging.basicConfig.
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=_LOG_LEVELS,
+        help="DEBUG, INFO, WARNING or ERROR (any case)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run zoneq (the built-in config unless --config)")
