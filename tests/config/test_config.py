@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pickle
+import re
 import tomllib
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from zoneq.config import (
     Config,
@@ -20,7 +21,7 @@ from zoneq.config import (
     loads_config,
 )
 from zoneq.config.loader import dotted_key
-from zoneq.config.model import ServerConfig
+from zoneq.config.model import ServerConfig, ZoneConfig
 from zoneq.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,6 +51,53 @@ def test_embedded_default_loads() -> None:
 def test_embedded_default_restates_the_model_defaults() -> None:
     # default.toml says it doubles as the list of defaults; keep that true.
     assert load_config() == Config.model_validate({"zones": {"default": {}, "bounces": {}}})
+
+
+def default_blocks() -> dict[str, str]:
+    """default.toml's text under each ``[table]`` header, up to the next one."""
+    blocks: dict[str, list[str]] = {"": []}
+    table = ""
+    for line in default_config_text().splitlines():
+        if header := re.fullmatch(r"\[([^\]]+)\]\s*", line):
+            table = header[1]
+            blocks[table] = []
+        else:
+            blocks[table].append(line)
+    return {name: "\n".join(lines) for name, lines in blocks.items()}
+
+
+def section_models() -> list[tuple[str, type[BaseModel]]]:
+    """Each table of default.toml with the model its keys are the fields of."""
+    sections = [
+        (name, field.annotation)
+        for name, field in Config.model_fields.items()
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+    ]
+    return [*sections, ("zones.default", ZoneConfig), ("zones.bounces", ZoneConfig)]
+
+
+@pytest.mark.parametrize(("table", "model"), section_models())
+def test_embedded_default_lists_every_key(table: str, model: type[BaseModel]) -> None:
+    """A key missing from default.toml leaves the comparison above equal (the model fills
+    it in), so the file would stop being the list of defaults unseen.  A key whose
+    default is unset (None) may be named in a comment instead, as there is no value."""
+    block = default_blocks()[table]
+    values = tomllib.loads(f"[{table}]\n{block}")
+    for part in table.split("."):
+        values = values[part]
+    notes = " ".join(line.partition("#")[2] for line in block.splitlines())
+    missing = [
+        name
+        for name, field in model.model_fields.items()
+        if name not in values and not (field.default is None and re.search(rf"\b{name}\b", notes))
+    ]
+    assert missing == [], f"[{table}] in default.toml lacks {missing}"
+
+
+def test_embedded_default_names_every_section() -> None:
+    text = default_config_text()
+    for name in Config.model_fields:  # plugins: none by default, so only named
+        assert re.search(rf"^#? ?\[{name}[.\]]", text, re.MULTILINE), name
 
 
 def test_embedded_default_is_declared_as_package_data() -> None:
