@@ -7,6 +7,7 @@ export is one the analytics job never reads (it reported 0 queued recipients, ex
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,32 @@ def test_only_queue_keeps_the_exports_format_unless_told_another(tmp_path: Path)
     assert again.returncode == 0, again.stderr
     assert "events: 0 exported" in again.stdout
     assert not any(out.rglob("*.parquet"))
+
+
+def without_pyarrow(tmp_path: Path) -> dict[str, str]:
+    """An environment where ``import pyarrow`` fails, as where the analytics extra is not
+    installed: a ``pyarrow`` package that raises, ahead of site-packages."""
+    shadow = tmp_path / "no-pyarrow" / "pyarrow"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('raise ImportError("no pyarrow here")\n')
+    return {**os.environ, "PYTHONPATH": str(shadow.parent)}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("only", [None, "queue"])
+def test_a_parquet_export_without_pyarrow_creates_nothing(tmp_path: Path, only: str | None) -> None:
+    data = str(stopped_directory(tmp_path / "queue"))
+    out = tmp_path / "export"
+    argv = ["export", str(out), "--data-dir", data, *(["--only", only] if only else [])]
+    env = without_pyarrow(tmp_path)
+    done = zoneq(*argv, env=env)
+    assert done.returncode == 1
+    assert "Parquet export needs pyarrow" in done.stderr, done.stderr
+    assert not out.exists()  # no lock, no events/day=.../zone=... left behind
+    # JSON lines needs no extra
+    jsonl = zoneq(*argv, "--format", "jsonl", env=env)
+    assert jsonl.returncode == 0, jsonl.stderr
+    assert any(out.rglob("*.jsonl"))
 
 
 @pytest.mark.parametrize(

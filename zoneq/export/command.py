@@ -11,7 +11,7 @@ from pathlib import Path
 
 from zoneq.config import Config, load_config
 from zoneq.errors import ConfigError, StorageUnavailable, StoreLocked
-from zoneq.export.files import Format, MissingDependency
+from zoneq.export.files import Format, MissingDependency, require_writer
 from zoneq.export.lock import exclusive
 from zoneq.export.run import export_events, export_format, export_queue
 from zoneq.export.sources import (
@@ -71,6 +71,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
     requested = None if args.format is None else Format(args.format)
     progress = sys.stderr.isatty() if args.progress is None else bool(args.progress)
     try:
+        # Before the lock, which creates the directory: a run refused for want of pyarrow
+        # must leave nothing behind.  (The format is read again under the lock.)
+        require_writer(export_format(args.out, requested))
         # The export directory first: a second run into it is refused before it opens (and
         # holds) the data directory, and events and queue come from one run.
         with exclusive(args.out), _source(data_dir, config) as source:

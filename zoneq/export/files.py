@@ -111,6 +111,14 @@ def _pyarrow() -> Any:
     return pa
 
 
+def require_writer(fmt: Format) -> None:
+    """Raise ``MissingDependency`` now if ``fmt``'s writer is not installed (pyarrow, for
+    Parquet): called before an export run creates anything, since a refused run's
+    directories (``out``, its lock, an empty partition) would be left behind."""
+    if fmt is Format.PARQUET:
+        _pyarrow()
+
+
 def write_rows(
     path: Path,
     rows: Iterable[dict[str, Any]],
@@ -227,6 +235,7 @@ __all__ = [
     "make_dirs",
     "part_name",
     "partition_dir",
+    "require_writer",
     "utc_day",
     "write_rows",
 ]
