@@ -14,7 +14,7 @@ import wcwidth
 
 from tests.api.test_serve_cli import CLI_TIMEOUT_S, ok, zoneq
 from tests.support.bed import ok_test_bed
-from tests.support.serve import ROOT, running_serve
+from tests.support.serve import ROOT, running_serve, write_serve_config
 
 pytestmark = pytest.mark.integration
 
@@ -75,13 +75,16 @@ def test_send_and_the_admin_commands_on_a_real_serve(tmp_path: Path) -> None:
         mixed = zoneq(config, "queue", "retry", null["id"], "--domain", "ok.test")
         assert mixed.returncode == 2 and "--domain" in mixed.stderr
 
-        # A filter that would not narrow is refused, naming it, before anything is purged.
-        for args, named in (
-            (("--older-than", "0"), "older_than"),
-            (("--zone", "default", "--sender-domain", ""), "sender_domain"),
+        # A filter that would not narrow is refused, naming it, before anything is purged;
+        # where --all is the way out, the refusal names the option, not only the API's "all".
+        for args, named, all_helps in (
+            ((), "no filter given: ", True),
+            (("--older-than", "0"), "older_than: ", True),
+            (("--zone", "default", "--sender-domain", ""), "sender_domain: ", False),
         ):
             refused = zoneq(config, "queue", "purge", *args)
-            assert refused.returncode == 1 and f"{named}: " in refused.stderr, refused.stderr
+            assert refused.returncode == 1 and named in refused.stderr, refused.stderr
+            assert ('"all": true (--all)' in refused.stderr) is all_helps, refused.stderr
         empty = zoneq(config, "queue", "retry", "--zone", "default", "--domain", "")
         assert empty.returncode == 2 and "domain: must not be empty" in empty.stderr
 
@@ -89,6 +92,19 @@ def test_send_and_the_admin_commands_on_a_real_serve(tmp_path: Path) -> None:
         assert purged == {"count": 6}
         assert ok(config, "queue", "counts")["messages"] == 0
         assert sink.messages(0, timeout=0.2) == []
+
+
+def test_with_the_api_disabled_the_commands_say_so(tmp_path: Path) -> None:
+    """Not "no API token ... start zoneq serve once": serve runs, and with the API off it
+    generates no token and nothing listens."""
+    config = write_serve_config(tmp_path / "bed", mx_port=1, dns_port=1)
+    config.write_text(config.read_text().replace("[api]\n", "[api]\nenabled = false\n"))
+    with running_serve(config, tmp_path / "serve.log"):
+        for args in (("queue", "counts"), ("suppression", "list", "default")):
+            done = zoneq(config, *args)
+            assert done.returncode == 2, done.stderr
+            assert "the HTTP API is disabled ([api] enabled = false)" in done.stderr
+            assert "token" not in done.stderr and done.stdout == ""
 
 
 def check_config(*args: str) -> subprocess.CompletedProcess[str]:

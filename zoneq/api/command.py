@@ -47,7 +47,15 @@ def client_from(args: argparse.Namespace) -> ApiClient:
         config = load_config(args.config)
     except ConfigError as exc:
         raise UsageError(f"configuration error:\n{exc}") from exc
-    listen = args.api or os.environ.get(ENV_API) or config.api.listen
+    given = args.api or os.environ.get(ENV_API)
+    if not given and not config.api.enabled:
+        # Before the token: serve makes none with the API off, so "no API token ... start
+        # zoneq serve" would send the user to a serve that is already running.
+        raise UsageError(
+            f"the HTTP API is disabled ([api] enabled = false); these commands need it "
+            f"(or another zoneq's: --api / {ENV_API})"
+        )
+    listen = given or config.api.listen
     try:
         host, port = split_listen(listen)
     except ValueError as exc:

@@ -58,12 +58,13 @@ async def purge(request: web.Request) -> web.Response:
         recipient_domain=body.recipient_domain,
     )
     if selection.is_everything() and not body.all:
+        # Read by API clients and by `zoneq queue purge` users alike: both spellings.
         if age is None:
-            raise BadRequest('no filter given: send "all": true to purge the whole queue')
+            raise BadRequest('no filter given: purging the whole queue needs "all": true (--all)')
         if age < admin.MIN_PURGE_AGE_MS:
             raise BadRequest(
                 f"older_than: {body.older_than!r} is under an hour, so on its own it selects"
-                ' nearly the whole queue: add another filter, or send "all": true with it'
+                ' nearly the whole queue: add another filter, or "all": true (--all) with it'
             )
     if age is not None:
         selection = replace(selection, older_than_ms=ctx.clock() - age)
