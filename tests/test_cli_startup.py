@@ -7,12 +7,14 @@ at import) cost 0.78 s and 74 MB per process, against 0.45 s and 43 MB for what 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
 from tests.support.command import zoneq
+from tests.support.serve import ROOT
 from zoneq.cli import _command_of
 
 HEAVY = ("aiohttp", "zoneq.api.app", "zoneq.export.command", "zoneq.runtime")
@@ -70,3 +72,24 @@ def test_the_log_level_is_read_in_any_case() -> None:
     done = zoneq("--log-level", "warning", "check-config", timeout=60)
     assert done.returncode == 0, done.stderr
     assert "the built-in configuration: ok" in done.stdout
+
+
+@pytest.mark.parametrize("args", [("check-config",), ("check-config", "config/zones.toml")])
+def test_a_reader_gone_is_no_traceback(args: tuple[str, ...]) -> None:
+    """``zoneq queue show ID | head``: the reader closed the pipe; stop quietly, exit 1."""
+    read, write = os.pipe()
+    os.close(read)  # gone before a word is written: every write is EPIPE
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "zoneq", *args],
+            cwd=ROOT,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == ""

@@ -10,6 +10,7 @@ parsers (``_INTERNAL``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -196,10 +197,18 @@ def _command_of(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
-    parser = build_parser(internal_only=_command_of(words) in _INTERNAL)
-    args = parser.parse_args(words)
-    logs.configure(args.log_level)
-    code: int = args.func(args)
+    try:
+        parser = build_parser(internal_only=_command_of(words) in _INTERNAL)
+        args = parser.parse_args(words)
+        logs.configure(args.log_level)
+        code: int = args.func(args)
+    except BrokenPipeError:
+        # The reader went away (``zoneq queue show ID | head``): stop quietly, as a shell
+        # tool does.  stdout goes to /dev/null so that the flush at exit does not raise
+        # again (the Python documentation's advice for SIGPIPE).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     return code
 
 
