@@ -645,6 +645,29 @@ def test_bare_newline_in_command_is_a_syntax_error(line: bytes) -> None:
     assert session(line) == ["500 5.5.2"]
 
 
+@pytest.mark.parametrize(
+    ("line", "text"),
+    [
+        (b"NOOP\rNOOP\r\n", "Bare CR or LF not allowed"),
+        (b"MAIL FROM:<a\x00b@b.test>\r\n", "NUL octet not allowed"),  # says what it is
+    ],
+)
+def test_a_refused_command_line_says_why(line: bytes, text: str) -> None:
+    conn = make()
+    conn.receive(line)
+    assert conn.data_to_send() == f"500 5.5.2 {text}\r\n".encode()
+
+
+def test_too_many_errors_is_a_421_naming_the_server() -> None:
+    """RFC 5321 section 4.2.3: "421 <domain> Service not available"."""
+    conn = make(max_errors=2)
+    conn.receive(b"BAD\r\nBAD\r\n")
+    assert conn.data_to_send().split(b"\r\n")[-2] == (
+        b"421 4.7.0 mx.example Too many errors, closing connection"
+    )
+    assert conn.closed
+
+
 def test_bare_lf_does_not_end_a_command() -> None:
     conn = make()
     assert conn.receive(b"QUIT\n") == []

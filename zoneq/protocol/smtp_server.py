@@ -156,11 +156,11 @@ BYE: Final = _r(221, "Bye", 2, 0, 0)
 BAD_SEQUENCE_HELLO: Final = _r(503, "Send EHLO/HELO first", 5, 5, 1)
 LINE_TOO_LONG: Final = syntax_error("Line too long")
 BARE_NEWLINE_IN_COMMAND: Final = syntax_error("Bare CR or LF not allowed")
+NUL_IN_COMMAND: Final = syntax_error("NUL octet not allowed")
 TOO_MANY_RECIPIENTS: Final = _r(452, "Too many recipients", 4, 5, 3)
 MESSAGE_TOO_BIG: Final = _r(552, "Message size exceeds fixed maximum message size", 5, 3, 4)
 BARE_NEWLINE_IN_DATA: Final = _r(554, "Bare CR or LF not allowed in message data", 5, 6, 0)
 NUL_IN_DATA: Final = _r(554, "NUL octet not allowed in message data", 5, 6, 0)
-TOO_MANY_ERRORS: Final = _r(421, "Too many errors, closing connection", 4, 7, 0)
 # RFC 4954 section 6: 500 5.5.6 for a SASL response longer than the server takes; 501 5.5.2
 # (section 4) for one that is not base64.
 AUTH_LINE_TOO_LONG: Final = _r(500, "Authentication Exchange line is too long", 5, 5, 6)
@@ -357,9 +357,12 @@ class ServerConnection:
             return
         self.errors += 1
         if self.errors >= self.max_errors:
-            # RFC 5321 section 3.8: a server may close with 421 when it must; Postfix says
-            # "421 4.7.0 ... Error: too many errors" at its smtpd_hard_error_limit.
-            self._out += _wire(TOO_MANY_ERRORS)
+            # RFC 5321 section 3.8: a server may close with 421 when it must, naming itself
+            # (section 4.2.3: "421 <domain> Service not available"); Postfix says "421 4.7.0
+            # host Error: too many errors" at its smtpd_hard_error_limit.
+            self._out += _wire(
+                _r(421, f"{self.hostname} Too many errors, closing connection", 4, 7, 0)
+            )
             self.state = State.CLOSED
 
     def _decide(self, event: Event, events: list[Event]) -> None:
@@ -421,8 +424,11 @@ class ServerConnection:
             if end + 2 > self.max_command_line and end + 2 > self._line_limit(raw):
                 self._refuse_line(LINE_TOO_LONG, AUTH_LINE_TOO_LONG)
                 continue
-            if b"\r" in raw or b"\n" in raw or b"\0" in raw:
+            if b"\r" in raw or b"\n" in raw:
                 self._refuse_line(BARE_NEWLINE_IN_COMMAND, INVALID_BASE64)
+                continue
+            if b"\0" in raw:
+                self._refuse_line(NUL_IN_COMMAND, INVALID_BASE64)
                 continue
             try:
                 return raw.decode("utf-8")
