@@ -161,8 +161,11 @@ class Filling(Generic[T]):
     * when more than ``limit`` recipients are open: the fullest jobs go first, so a message
       to more than ``limit / max_recipients`` domains still fills what it can;
     * when the caller has nothing else to hand out and can read nothing more (``flush``):
-      the queue service does that in the same lease call, so an open job never waits for
-      a worker's next request, and a one-recipient message is never held back at all.
+      the queue service does that in the same lease call when nothing more of the message
+      is ready, and a one-recipient message is never held back at all; while a domain or
+      MX limit (or a full window) keeps the rest of it from being read, the service holds
+      the open jobs for a few seconds at most (``filling_wait_s``), so that they go out
+      full rather than as a tail of small transactions.
 
     Only the last message a refill read can stay open: one message's recipients are
     contiguous in the store's key order, so a later message means the open one is whole.

@@ -70,7 +70,7 @@ from zoneq.protocol.retry import RetrySchedule
 from zoneq.queue.bounces import FULL_RETURN_LIMIT, HEADER_LIMIT, Failure, any_wanted, compose
 from zoneq.queue.feedback import DomainFeedback
 from zoneq.queue.scheduler import DomainSlots, Filling, JobQueue, Planned, RateLimiter
-from zoneq.storage.records import MessageMeta, Notice
+from zoneq.storage.records import MessageMeta, Notice, Recipient
 from zoneq.storage.store import Lease, Outcome, QueueStore
 
 log = logging.getLogger("zoneq.queue")
@@ -83,6 +83,11 @@ DEFAULT_WINDOW: Final = 2000  # recipients leased ahead per zone
 DEFAULT_FILLING: Final = 5000
 # How long what a refill scan turned down stays turned down at most (``_refill``).
 RESCAN_S: Final = 1.0
+# How long jobs still being filled wait for the rest of their message while the zone's
+# limits keep it from being read (``_unfilled``): long enough for the jobs holding a
+# limit to end at a slow MX host; past that a small transaction is better than recipients
+# held for a read that may not come soon (a domain rested for minutes).
+FILL_WAIT_S: Final = 5.0
 DEFAULT_DOMAIN_CONNECTIONS: Final = 10
 EXPIRED_STATUS: Final = "4.4.7"  # RFC 3463: delivery time expired
 # What a worker reports, with no remote reply, when the stored message is damaged.
@@ -203,6 +208,51 @@ class _Verdicts(NamedTuple):
     blocked: frozenset[str]  # the domains blocked then
     last_key: bytes | None  # the last key it read
     expires: float  # the monotonic time after which to read it all again anyway
+    # The message being filled, if these scans turned some of its records down: more of
+    # it is ready, only held back by a limit.
+    held_back: int | None = None
+
+
+class _Refill(enum.Enum):
+    """What a refill did (``_refill``)."""
+
+    PLANNED = "planned"  # it leased recipients into jobs
+    HELD = "held"  # nothing, but more of the message being filled may be ready
+    DONE = "done"  # nothing, and nothing more of that message is ready
+
+
+class _TurnedDown:
+    """Whether a refill scan turned down records of the message being filled, before the
+    scan (``watched``) or after it (the last one it leased).  A scan reads each message's
+    records together (their keys are zone, message, address), so one message at a time
+    is enough to follow."""
+
+    __slots__ = ("last", "leased", "leased_seen", "watched", "watched_seen")
+
+    def __init__(self, watched: int | None) -> None:
+        self.watched = watched
+        self.watched_seen = False
+        self.leased: int | None = None  # the message of the last record leased
+        self.leased_seen = False
+        self.last: int | None = None  # the message of the last record turned down
+
+    def accepted(self, msg_id: int) -> None:
+        if msg_id != self.leased:
+            self.leased = msg_id
+            self.leased_seen = msg_id == self.last  # turned down before its first lease
+
+    def refused(self, msg_id: int) -> None:
+        self.last = msg_id
+        self.watched_seen = self.watched_seen or msg_id == self.watched
+        self.leased_seen = self.leased_seen or msg_id == self.leased
+
+    def of(self, msg_id: int | None) -> bool:
+        """Were records of ``msg_id`` turned down (if it is one of the two followed)?"""
+        if msg_id is None:
+            return False
+        return (msg_id == self.watched and self.watched_seen) or (
+            msg_id == self.leased and self.leased_seen
+        )
 
 
 @dataclass(slots=True)
@@ -212,6 +262,9 @@ class _Zone:
     slots: DomainSlots
     rate: RateLimiter
     filling: Filling[Lease]  # jobs of a message the last window cut short (``_refill``)
+    filling_msg: int | None = None  # that message, while ``filling`` holds any of it
+    # Since when (monotonic) jobs being filled have waited for a read a limit holds back.
+    filling_held: float | None = None
     queue: JobQueue[Lease] = field(default_factory=JobQueue)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     verdicts: _Verdicts | None = None
@@ -242,6 +295,7 @@ class QueueService:
         domain_connections: int = DEFAULT_DOMAIN_CONNECTIONS,
         max_recipients: int = 50,
         filling: int = DEFAULT_FILLING,
+        filling_wait_s: float = FILL_WAIT_S,
         plugins: PluginHost | None = None,
     ) -> None:
         self._store = store
@@ -252,6 +306,7 @@ class QueueService:
         self._domain_connections = domain_connections
         self._max_recipients = max_recipients
         self._filling = filling
+        self._filling_wait = filling_wait_s
         self._zones: dict[str, _Zone] = {}
         self._leases: dict[int, tuple[Lease, int]] = {}  # token -> (lease, job id)
         self._running: dict[int, _Running] = {}  # job id -> state
@@ -352,6 +407,10 @@ class QueueService:
                 # say so (a slowed domain's rate or rest ran out): look again when its
                 # verdicts expire, not at the end of a wait of several seconds.
                 pause = min(pause, max(0.0, state.verdicts.expires - time.monotonic()))
+            if state.filling_held is not None and state.filling and not stopped:
+                # Jobs held open go out when their wait is up, event or none (``_unfilled``).
+                held_until = state.filling_held + self._filling_wait
+                pause = min(pause, max(0.0, held_until - time.monotonic()))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(state.wake.wait(), pause)
 
@@ -362,14 +421,13 @@ class QueueService:
             taken = state.queue.take(state.slots, state.rate, now, owner)
             if taken is None:
                 try:
-                    refilled = self._refill(state)
+                    refill = self._refill(state)
                 except StorageUnavailable:
                     if not jobs and not state.filling:
                         raise
-                    refilled = False  # the jobs built so far go out (their leases are out)
-                if not refilled:
-                    # Nothing more to read now: jobs still being filled go out as they are.
-                    opened = state.filling.flush()
+                    refill = _Refill.DONE  # the jobs built so far go out (their leases are out)
+                if refill is not _Refill.PLANNED:
+                    opened = self._unfilled(state, refill)
                     if not opened:
                         break
                     state.queue.extend(opened)
@@ -389,11 +447,34 @@ class QueueService:
                 jobs.append(job)
         return jobs
 
-    def _refill(self, state: _Zone) -> bool:
-        """Lease more of the zone into jobs; False if nothing new could be planned."""
+    def _unfilled(self, state: _Zone, refill: _Refill) -> list[Planned[Lease]]:
+        """The jobs still being filled that go out now a refill read nothing: all of them
+        once nothing more of their message is ready, or they have waited ``filling_wait_s``.
+
+        While a domain or MX limit (or a window full of jobs) holds the rest of their
+        message back, they wait for it: sent as they are, a message to 100 domains went
+        out in jobs of 10 and 40 instead of 50.  What they wait for comes as the jobs
+        holding the limit end, so the wait is short; the bound is for a limit that does
+        not end soon.
+        """
+        if not state.filling:
+            state.filling_held = None
+            return []
+        now = time.monotonic()
+        if refill is _Refill.HELD:
+            if state.filling_held is None:
+                state.filling_held = now
+            if now < state.filling_held + self._filling_wait:
+                return []
+        state.filling_held = None
+        return state.filling.flush()
+
+    def _refill(self, state: _Zone) -> _Refill:
+        """Lease more of the zone into jobs (PLANNED); else say whether more of the message
+        being filled may be ready (HELD: a limit kept it from being read) or not (DONE)."""
         room = self._window - state.queue.recipients()
         if room <= 0:
-            return False
+            return _Refill.HELD  # not read: the window is full of jobs waiting for slots
         blocked = frozenset(state.queue.blocked_domains(state.slots))
         # A scan reads the ready records past the cursor and turns down those of busy
         # domains.  Done from the cursor on every lease call while a domain is at its
@@ -412,27 +493,48 @@ class QueueService:
             # would open a database iterator each to find nothing (in tools/bench/
             # compare.py, workload 1, about 7% of the core's CPU per delivered message).
             if state.exhausted:
-                return False
+                return self._held(state, last)
             after = last.last_key
         else:
             last = None
-        leases = self._store.lease(
-            state.name,
-            room,
-            CORE_OWNER,
-            accept=lambda r: r.domain not in blocked and state.slots.could_start(r.domain),
-            after=after,
-        )
-        deadline = last.expires if last is not None else now + RESCAN_S
-        state.verdicts = _Verdicts(blocked, leases.last_key or after, deadline)
-        state.exhausted = not leases
-        if not leases:
+        turned_down = _TurnedDown(state.filling_msg if state.filling else None)
+
+        def accept(record: Recipient) -> bool:
+            if record.domain not in blocked and state.slots.could_start(record.domain):
+                turned_down.accepted(record.msg_id)
+                return True
+            turned_down.refused(record.msg_id)
             return False
-        # A scan that stopped at the window may have stopped inside a message (one to many
-        # domains comes in address order): its partial jobs wait to be topped up by the
-        # next refill (``Filling``; ``_take`` flushes them when nothing more can be read).
-        state.queue.extend(state.filling.plan(leases, cut=len(leases) >= room))
-        return True
+
+        leases = self._store.lease(state.name, room, CORE_OWNER, accept=accept, after=after)
+        if leases:
+            # A scan that stopped at the window may have stopped inside a message (one to
+            # many domains comes in address order): its partial jobs wait to be topped up
+            # by the next refill (``Filling``; ``_unfilled`` says when they go as they are).
+            # So may one that turned some of its last message down (a domain at its limit):
+            # the rest of it is ready, to be read when the limit allows.
+            cut = len(leases) >= room or turned_down.of(leases[-1].recipient.msg_id)
+            state.queue.extend(state.filling.plan(leases, cut=cut))
+            state.filling_msg = leases[-1].recipient.msg_id if state.filling else None
+            state.filling_held = None
+        filling = state.filling_msg if state.filling else None
+        # A scan from ``after`` skips what the earlier ones since these verdicts turned down.
+        earlier = last is not None and filling is not None and last.held_back == filling
+        state.verdicts = _Verdicts(
+            blocked,
+            leases.last_key or after,
+            last.expires if last is not None else now + RESCAN_S,
+            filling if earlier or turned_down.of(filling) else None,
+        )
+        state.exhausted = not leases
+        return _Refill.PLANNED if leases else self._held(state, state.verdicts)
+
+    @staticmethod
+    def _held(state: _Zone, verdicts: _Verdicts) -> _Refill:
+        """After a refill that read nothing: is the message being filled held back?"""
+        if state.filling and verdicts.held_back == state.filling_msg:
+            return _Refill.HELD
+        return _Refill.DONE
 
     def _give_back(self, state: _Zone, planned: Planned[Lease], slot: int) -> None:
         """A job taken from the queue that will not go out: its slot, and its recipients
