@@ -50,10 +50,13 @@ def rsa_key(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, bytes]:
     return key.read_bytes(), b"v=DKIM1; k=rsa; p=" + base64.b64encode(public)
 
 
-def dkim_host(tmp_path: Path, private: bytes, domain: str = "shop.example") -> PluginHost:
+def dkim_host(
+    tmp_path: Path, private: bytes, domain: str = "shop.example", **more: object
+) -> PluginHost:
+    """The DKIM plugin signing for ``domain`` with ``private``; ``more``: other options."""
     key_file = tmp_path / "dkim.pem"
     key_file.write_bytes(private)
-    options = {"domains": {domain: {"selector": "s1", "key_file": str(key_file)}}}
+    options = {"domains": {domain: {"selector": "s1", "key_file": str(key_file)}}, **more}
     return host_with({"dkim": {"module": BUNDLED / "dkim.py", "options": options}})
 
 
@@ -275,13 +278,8 @@ def test_dkim_over_max_size_goes_out_unsigned_with_a_warning(
     tmp_path: Path, rsa_key: tuple[bytes, bytes], caplog: pytest.LogCaptureFixture
 ) -> None:
     private, _ = rsa_key
-    key_file = tmp_path / "dkim.pem"
-    key_file.write_bytes(private)
-    options = {
-        "domains": {"shop.example": {"selector": "s1", "key_file": str(key_file)}},
-        "max_size": f"{len(MESSAGE)}B",  # exactly this message fits; one byte more does not
-    }
-    host = host_with({"dkim": {"module": BUNDLED / "dkim.py", "options": options}})
+    # Exactly this message fits; one byte more does not.
+    host = dkim_host(tmp_path, private, max_size=f"{len(MESSAGE)}B")
     fits = asyncio.run(host.call(Hook.SENDER_HEADERS, sender_args(MESSAGE)))
     assert fits.headers[0].startswith(b"DKIM-Signature:")
     with caplog.at_level("WARNING", logger="zoneq.plugin.dkim"):
@@ -367,13 +365,7 @@ def test_dkim_headers_option_in_any_case_signs_those_fields(
     tmp_path: Path, rsa_key: tuple[bytes, bytes]
 ) -> None:
     private, _ = rsa_key
-    key_file = tmp_path / "dkim.pem"
-    key_file.write_bytes(private)
-    options = {
-        "domains": {"shop.example": {"selector": "s1", "key_file": str(key_file)}},
-        "headers": ["from", "Subject"],
-    }
-    host = host_with({"dkim": {"module": BUNDLED / "dkim.py", "options": options}})
+    host = dkim_host(tmp_path, private, headers=["from", "Subject"])
     result = asyncio.run(host.call(Hook.SENDER_HEADERS, sender_args(MESSAGE)))
     tags = {t.strip().partition(b"=")[0]: t.strip() for t in result.headers[0].split(b";")}
     assert b"".join(tags[b"h"].split()).lower() == b"h=from:subject"
