@@ -30,12 +30,18 @@ from tests.storage.conftest import (
 from tests.storage.test_held import break_disk, heal
 from zoneq.errors import LeaseError, StorageUnavailable
 from zoneq.protocol.events import EventKind
-from zoneq.queue.service import Result
+from zoneq.queue.service import QueueService, Result
 from zoneq.storage.base import Lease, Outcome
 from zoneq.storage.records import State
 from zoneq.storage.store import QueueStore
 
 pytestmark = pytest.mark.integration
+
+
+def faulty_world(stores: StoreFactory) -> tuple[QueueStore, FaultyDatabase, QueueService]:
+    """A store on a ``FaultyDatabase`` and the queue service over it."""
+    store = stores.open(faulty=True)
+    return store, stores.faulty(store), service_for(store, Clock())
 
 
 async def delete(store: QueueStore, how: str, msg_id: int) -> None:
@@ -51,9 +57,7 @@ async def delete(store: QueueStore, how: str, msg_id: int) -> None:
 async def test_a_failed_delete_leaves_the_delivery_on_the_wire_to_complete(
     stores: StoreFactory, how: str
 ) -> None:
-    store = stores.open(faulty=True)
-    db = stores.faulty(store)
-    service = service_for(store, Clock())
+    store, db, service = faulty_world(stores)
     msg_id = await queue_message(store, [("a@one.test", Z)])
     (job,) = await service.lease(Z, "w1")
     db.fail_writes = 1  # the delete's own batch fails (a full disk, say)
@@ -76,9 +80,7 @@ async def test_a_failed_delete_leaves_the_delivery_on_the_wire_to_complete(
 async def test_a_delivery_after_a_delete_is_on_record_after_the_storage_heals(
     stores: StoreFactory, caplog: pytest.LogCaptureFixture, fault: str
 ) -> None:
-    store = stores.open(faulty=True)
-    db = stores.faulty(store)
-    service = service_for(store, Clock())
+    store, db, service = faulty_world(stores)
     msg_id = await queue_message(store, [("a@one.test", Z), ("keep@one.test", Z)])
     (job,) = await service.lease(Z, "w1")
     assert await store.drop(msg_id, T0 + 1, address="a@one.test") == 1
@@ -110,9 +112,7 @@ async def test_a_delivery_after_a_delete_is_on_record_after_the_storage_heals(
 async def test_a_landed_delete_gives_no_lease_back_when_the_storage_fails_later(
     stores: StoreFactory, how: str
 ) -> None:
-    store = stores.open(faulty=True)
-    db = stores.faulty(store)
-    service = service_for(store, Clock())
+    store, db, service = faulty_world(stores)
     msg_id = await queue_message(store, [("a@one.test", Z), ("b@one.test", Z)])
     assert len(await service.lease(Z, "w1")) == 1  # both on the wire
     await delete(store, how, msg_id)
@@ -131,9 +131,7 @@ async def test_a_delivery_reported_while_a_failing_delete_is_written_completes_a
     """The 250 comes while the delete's batch is being written (its lease revoked, so it is
     taken as a delivery after a delete), and then that batch fails: the delete never
     happened, and the delivery completes the recipient once the storage heals."""
-    store = stores.open(faulty=True)
-    db = stores.faulty(store)
-    service = service_for(store, Clock())
+    store, db, service = faulty_world(stores)
     msg_id = await queue_message(store, [("a@one.test", Z)])
     (job,) = await service.lease(Z, "w1")
     db.gate = threading.Event()
@@ -237,9 +235,7 @@ async def test_a_worker_done_during_a_failing_delete_leaves_its_recipient_to_ano
 ) -> None:
     """Through the service: a ``zoneq queue delete`` whose batch fails while the worker
     reports (or goes away); after the heal the recipient goes out again, to another."""
-    store = stores.open(faulty=True)
-    db = stores.faulty(store)
-    service = service_for(store, Clock())
+    store, db, service = faulty_world(stores)
     msg_id = await queue_message(store, [("a@one.test", Z)])
     (job,) = await service.lease(Z, "w1")
     deleting = await start_failing_delete(store, db, msg_id)
@@ -264,9 +260,7 @@ async def test_a_recipient_waiting_for_a_worker_during_a_failing_delete_goes_out
     """Its job waits in the service (leased to the core) when the delete revokes its lease;
     a worker's request then leaves it out of the job, and the delete fails: after the heal
     it goes out all the same."""
-    store = stores.open(faulty=True)
-    db = stores.faulty(store)
-    service = service_for(store, Clock())
+    store, db, service = faulty_world(stores)
     await queue_message(store, [("a@one.test", Z)])
     msg_id = await queue_message(store, [("b@two.test", Z)])
     (first,) = await service.lease(Z, "w1")  # b@two.test's job waits for the next worker
