@@ -24,7 +24,9 @@ a line still over 998 octets (the MUST) is refused, naming the JSON field.  Fold
 spaces too: an address field the package folds into other mailboxes (it drops a display
 name's quotes, CPython gh-80222: ``"Doe, John" <j@x>`` read as ``Doe`` and ``John <j@x>``;
 RFC 5322 3.2.4, 3.4), found by parsing it back, and a field with a line of only white space
-(obs-FWS, RFC 5322 4.2; with encoded-words, that white space joins the line before).
+(obs-FWS, RFC 5322 4.2; with encoded-words, that white space joins the line before).  An
+address field whose encoded-word the package split over a fold (its ``?=`` encoded into the
+next word: no encoded-word to a reader) is written with ``email.header.Header`` instead.
 
 Domains are written as A-labels (IDNA, UTS 46): RFC 2047 section 5 forbids an encoded-word
 in an addr-spec, which is how the email package writes a non-ASCII domain.  A non-ASCII
@@ -50,8 +52,8 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.errors import HeaderParseError, MessageError
-from email.header import decode_header
-from email.headerregistry import Address, AddressHeader
+from email.header import Header, decode_header
+from email.headerregistry import Address, AddressHeader, Group
 from email.message import EmailMessage
 from email.policy import EmailPolicy
 from email.utils import format_datetime, getaddresses, make_msgid
@@ -120,12 +122,29 @@ class _Checked(EmailPolicy):
         # display name's word of 76 octets at 76), or a line of only white space, and on
         # this Python it drops the quotes of a display name it folds (CPython gh-80222):
         # folded at the spaces instead, too.
-        if _WRITTEN_WORD.search(folded) or _broken(folded) or self._misread(name, value, folded):
+        width = self.max_line_length or MAX_LINE
+        misread = self._misread(name, value, folded)
+        if _WRITTEN_WORD.search(folded) or _broken(folded) or misread:
             # Written on one line (no limit: None), the field holds an encoded-word only
             # where its text needs one.
             wide = EmailPolicy.fold_binary(self.clone(max_line_length=None), name, value)
             if not _WRITTEN_WORD.search(wide):
-                folded = _fold_at_spaces(wide, self.max_line_length or MAX_LINE)
+                folded = _fold_at_spaces(wide, width)
+            elif (
+                isinstance(value, AddressHeader)
+                and misread
+                and self._misread(name, value, folded, loose=True)
+            ):
+                # The package can also split an encoded-word over a fold, its closing
+                # ``?=`` encoded into the next word (``=?utf-8?b?Ojo6Og==`` CRLF
+                # `` =?utf-8?q?=3F=3D?=``): no encoded-word to a reader, which shows it.
+                folded = _fold_at_spaces(_address_field(name, value), width)
+                if self._misread(name, value, folded, loose=True):
+                    key = _JSON_KEY.get(name.lower(), f"headers.{name}")
+                    raise Unacceptable(
+                        f"{key}: the {name} field cannot be written so that "
+                        "it reads back as given; simplify its display name"
+                    )
         # Where encoded-words keep the package's fold, a line of only white space goes onto
         # the end of the line before: unfolding (2.2.3) gives the same value.
         folded = _WHITE_LINE.sub(rb"\1", folded)
@@ -141,11 +160,14 @@ class _Checked(EmailPolicy):
             ) from None
         return folded
 
-    def _misread(self, name: str, value: str, folded: bytes) -> bool:
+    def _misread(self, name: str, value: str, folded: bytes, *, loose: bool = False) -> bool:
         """Whether the address field ``folded`` reads back as other mailboxes than
         ``value`` holds.  A display name with specials (``,`` ``;`` ``(`` ``"`` ``.``...)
         must stay a quoted-string (RFC 5322 3.2.4, 3.4): folded without its quotes, a
-        ``"Doe, John" <j@x>`` is read as the two mailboxes ``Doe`` and ``John <j@x>``."""
+        ``"Doe, John" <j@x>`` is read as the two mailboxes ``Doe`` and ``John <j@x>``.
+        ``loose``: display names compared without their white space, as this Python's
+        parser puts a space between adjacent encoded-words, which RFC 2047 6.2 says to
+        drop (a long word is split into several)."""
         if not isinstance(value, AddressHeader) or b"\r\n" not in folded[:-2]:
             return False
         text = _UNFOLD.sub(b"", folded.removesuffix(b"\r\n")).partition(b":")[2]
@@ -156,7 +178,23 @@ class _Checked(EmailPolicy):
         # ``(`` left open, a ``:`` read as a group's): not read back as given either.
         except (HeaderParseError, ValueError, IndexError, AttributeError, TypeError):
             return True
-        return not isinstance(read, AddressHeader) or read.groups != value.groups
+        if not isinstance(read, AddressHeader):
+            return True
+        return _shape(read.groups, loose) != _shape(value.groups, loose)
+
+
+def _shape(groups: tuple[Group, ...], loose: bool) -> object:
+    """What ``_misread`` compares of an address field's groups."""
+    if not loose:
+        return groups
+
+    def squeezed(text: str | None) -> str | None:
+        return None if text is None else "".join(text.split())
+
+    return [
+        (squeezed(g.display_name), [(squeezed(a.display_name), a.addr_spec) for a in g.addresses])
+        for g in groups
+    ]
 
 
 def _broken(field: bytes) -> bool:
@@ -166,6 +204,32 @@ def _broken(field: bytes) -> bool:
         _UNFOLDED_BREAK.search(field.removesuffix(b"\r\n")) is not None
         or _WHITE_LINE.search(field) is not None
     )
+
+
+def _address_field(name: str, value: AddressHeader) -> bytes:
+    """The field ``name: value`` (CRLF-ended, unfolded) with each non-ASCII display name
+    written by the legacy ``email.header.Header``, which keeps every encoded-word whole and
+    within 75 characters (RFC 2047 section 2), its Q encoding to the characters section 5
+    (3) allows in a phrase.  None of those is a special (RFC 5322 3.2.3), so the words go
+    unquoted; they hold no white space, so ``_fold_at_spaces`` can fold between them."""
+
+    def shown(text: str | None) -> str | None:
+        if text is None or text.isascii():
+            return text
+        # ``header_name``: the first word may go on the field name's line.
+        return " ".join(Header(text, "utf-8", header_name=name).encode(maxlinelen=75).split())
+
+    lists: list[str] = []
+    for group in value.groups:
+        boxes = [
+            Address(shown(box.display_name) or "", box.username, box.domain)
+            for box in group.addresses
+        ]
+        if group.display_name is None:
+            lists.extend(str(box) for box in boxes)
+        else:
+            lists.append(str(Group(shown(group.display_name), boxes)))
+    return f"{name}: {', '.join(lists)}\r\n".encode()
 
 
 def _fold_at_spaces(field: bytes, width: int) -> bytes:
