@@ -25,7 +25,7 @@ from zoneq.protocol.events import Event, EventKind
 from zoneq.protocol.ids import IdGenerator, format_id, id_time_ms
 from zoneq.storage import keys
 from zoneq.storage.counters import MESSAGES, Counters
-from zoneq.storage.holdmarks import mark, unmark, write_hold
+from zoneq.storage.holdmarks import mark, unmark, unmark_on_disk, write_hold
 from zoneq.storage.leases import LeaseTable
 from zoneq.storage.leveldb import Database, Op
 from zoneq.storage.records import (
@@ -505,9 +505,14 @@ class StoreBase:
         if state is State.READY and self._hold_marks:
             # A leased one's hold on return goes with it, here where every removal passes
             # (a delete, a purge, an orphan's removal ...): a mark left behind would hold a
-            # later record under the same key, or at the next start (``holdmarks.py``).
-            ops.extend(unmark(self._hold_marks, key))
-        if self._retry_marks:
+            # later record under the same key, or at the next start (``holdmarks.py``).  A
+            # revoked lease's stays in memory until the delete lands (``_forget_revoked``):
+            # if it fails, the lease is put back, and its attempt's end must find it.
+            if lease is None:
+                ops.extend(unmark(self._hold_marks, key))
+            else:
+                ops.extend(unmark_on_disk(self._hold_marks, key))
+        if self._retry_marks and lease is None:
             forget(self._retry_marks, key)  # a retry's mark goes with its record too
         if state is State.DEFERRED and record is not None:
             # (A corrupt deferred record leaves its due entry; promote_due drops dangling ones.)
@@ -525,6 +530,8 @@ class StoreBase:
     def _forget_revoked(self, revoked: list[bytes]) -> None:
         for key in revoked:
             self._revoking.pop(key, None)
+            self._hold_marks.pop(key, None)  # its on-disk mark went with the delete
+            forget(self._retry_marks, key)
 
     def _message_zones(self, msg_id: int) -> tuple[str, ...]:
         """The zones a message has records in, from its metadata or, if that is unreadable,

@@ -30,14 +30,15 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Final
 
 from zoneq.errors import LeaseError, NotFound, StorageCorruption, StorageUnavailable
-from zoneq.storage.base import Lease, StoreBase, ready_prefix, run_all
+from zoneq.storage import retrymarks
+from zoneq.storage.base import Lease, QueuedRecipient, StoreBase, ready_prefix, run_all
 from zoneq.storage.leveldb import Op
-from zoneq.storage.records import Notice
+from zoneq.storage.records import Notice, State
 
 log = logging.getLogger("zoneq.storage")
 
@@ -168,8 +169,9 @@ class HeldMixin(StoreBase):
     def _resume(self, leases: dict[bytes, Lease]) -> None:
         """After a reopen: keep the leases that were out, and make the held calls again."""
         for key, lease in leases.items():
-            # A record that is gone was taken by an outcome whose batch failed its sync
-            # after LevelDB appended it to the log: the reopen applied it already.
+            # A record that is gone was taken by an outcome (or a delete) whose batch failed
+            # its sync after LevelDB appended it to the log: the reopen applied it already.
+            # (Its marks go with it: ``_settle_stray_marks``.)
             if self._db.get(key) is not None:
                 self._leases[key] = lease
         # What the reopen brought back from the log is ready with no event of its own:
@@ -180,9 +182,56 @@ class HeldMixin(StoreBase):
         self._held_bytes = 0
         if held:
             log.warning("queue storage healed: writing %d held outcome(s)", len(held))
-            task = asyncio.get_running_loop().create_task(self._replay_all(held))
-            self._replays.add(task)
-            task.add_done_callback(self._replays.discard)
+            self._in_background(self._replay_all(held))
+        self._settle_stray_marks()
+
+    def _in_background(self, work: Coroutine[None, None, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._replays.add(task)  # drained (``drain``), and awaited at a stop
+        task.add_done_callback(self._replays.discard)
+
+    def _settle_stray_marks(self) -> None:
+        """After a reopen: act on the marks whose lease is no longer out, which a delete
+        that failed left (``StoreBase._remove_key`` keeps a revoked lease's marks until the
+        delete lands).  Either the delete landed all the same (its batch reached LevelDB's
+        log before the sync failed) and the record is gone, its marks with it; or its
+        worker ended the lease undelivered meanwhile (``StoreBase._ended``): the report was
+        refused and the record left ready, and no attempt's end will come to act on the
+        mark.  A hold is due now, as at start-up (``recover``); a retry has nothing left
+        to do, its recipient being ready already."""
+        for key in [key for key in self._retry_marks if key not in self._leases]:
+            retrymarks.forget(self._retry_marks, key)
+        stray = [key for key in self._hold_marks if key not in self._leases]
+        if stray:
+            self._in_background(self._hold_stray(stray))
+
+    async def _hold_stray(self, stray: list[bytes]) -> None:
+        """Hold the ready records at ``stray``, each with its mark's reason."""
+        by_reason: dict[str, list[bytes]] = {}
+        for key in stray:
+            by_reason.setdefault(self._hold_marks[key], []).append(key)
+        # Their marks go in the same batch (``_remove_key``); if it fails, the marks on disk
+        # stay, and the next start holds them (``recover``).
+        with contextlib.suppress(StorageUnavailable):
+            for reason, marked in by_reason.items():
+                held, _ = await self._hold_or_mark(self._still_marked(marked, reason), reason)
+                log.info("held %d recipient(s) whose hold waited for a failed delete", held)
+
+    def _still_marked(self, marked: list[bytes], reason: str) -> list[QueuedRecipient]:
+        """The ready records at ``marked`` still marked with ``reason``, read as the latest
+        staged state shows and held with no ``await`` in between (``_hold_or_mark``: one
+        leased meanwhile is marked again).  A mark whose record is gone is forgotten."""
+        chosen: list[QueuedRecipient] = []
+        for key in marked:
+            if self._hold_marks.get(key) != reason:
+                continue  # released meanwhile, or held again for another reason
+            value = self._writer.read(key)
+            record = None if value is None else self._decode_record(key, value)
+            if record is None:
+                del self._hold_marks[key]  # (its mark on disk: ``recover`` removes it)
+            else:
+                chosen.append(QueuedRecipient(State.READY, record))
+        return chosen
 
     async def _replay_all(self, held: list[Held]) -> None:
         # Each call stages its writes before its first await, in order: a message's later

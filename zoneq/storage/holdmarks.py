@@ -15,9 +15,13 @@ cannot call back a message the remote has; a bounce's DSN is owed whatever the h
 Every one of them removes the mark; so does any other removal of the record (it passes
 through ``StoreBase._remove_key``: a delete, a purge, an orphan's removal, a failed commit
 undone), so no mark outlives its recipient; and so does a release, of the message
-(``unhold``) or of its zone (``QueueAdmin.release_zone``).  A lease does not survive a
-restart, so at start-up (``recover``) every marked recipient still ready is held and every
-mark removed (Postfix's ``postsuper -h`` holds a message whatever queue it is in).
+(``unhold``) or of its zone (``QueueAdmin.release_zone``).  An administrator's delete, which
+revokes the lease, forgets the mark in memory only once its batch lands: a delete that fails
+gives the lease back (``StoreBase._put_back_revoked``), and the attempt's end must still find
+its mark (one whose attempt ended during that write is held when the storage heals:
+``HeldMixin._settle_stray_marks``).  A lease does not survive a restart, so at start-up
+(``recover``) every marked recipient still ready is held and every mark removed (Postfix's
+``postsuper -h`` holds a message whatever queue it is in).
 
 Messages without a hold pay one truthiness test of an empty dict per outcome.
 """
@@ -47,6 +51,13 @@ def unmark(marks: dict[bytes, str], ready_key: bytes) -> list[Op]:
     if marks.pop(ready_key, None) is None:
         return []
     return [(hold_mark_key(ready_key), None)]
+
+
+def unmark_on_disk(marks: dict[bytes, str], ready_key: bytes) -> list[Op]:
+    """The delete of ``ready_key``'s on-disk mark, its mark kept in memory: for a delete that
+    revoked its lease, which may yet fail and give the lease back, marked still, to the
+    attempt on the wire.  Forgotten once the delete lands (``StoreBase._forget_revoked``)."""
+    return [(hold_mark_key(ready_key), None)] if ready_key in marks else []
 
 
 def unmark_message(marks: dict[bytes, str], msg_id: int) -> list[Op]:

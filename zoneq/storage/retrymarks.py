@@ -16,7 +16,9 @@ its lease's token, so it can only ever act on that lease: a mark a path left beh
 that did not outlive a reopen) never makes a later lease of the same record due early.
 Every end of a lease forgets it: a deferral acts on it; a delivery, a bounce, a job given back
 (ready at once already) or a hold on return drop it; and so does any removal of the record
-(``StoreBase._remove_key``: a delete, a purge, an orphan's removal) and a hold of it.
+(``StoreBase._remove_key``: a delete, a purge, an orphan's removal) and a hold of it; a
+delete that revokes the lease forgets it once its batch lands, since one that fails gives
+the lease back, and its deferral must still be due at once.
 
 Outcomes without a pending retry pay one truthiness test of an empty dict.
 """
