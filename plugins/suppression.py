@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 import threading
 import time
@@ -54,15 +53,9 @@ from zoneq.plugin import (
     RouteArgs,
     bare_domain,
 )
+from zoneq.protocol.local_parts import canonical_local
 
 ALL_ZONES = "*"
-
-# RFC 5321 section 4.1.2 Dot-string (RFC 5322 section 3.2.3 atext), with the non-ASCII
-# that RFC 6531 section 3.3 adds to atext for SMTPUTF8 local parts.
-_ATEXT = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~\-\u0080-\U0010ffff]"
-_DOT_ATOM = re.compile(rf"{_ATEXT}+(?:\.{_ATEXT}+)*")
-# RFC 5321 section 4.1.2 quoted-pairSMTP: a backslash and the character it quotes.
-_QUOTED_PAIR = re.compile(r"\\(.)")
 
 # RFC 3463 section 3.2: X.1.1 "bad destination mailbox address" is what senders' list
 # software understands as "remove this address".
@@ -85,23 +78,11 @@ def normalize(address: str) -> str:
     ``bob@bücher.example`` suppresses ``bob@xn--bcher-kva.example`` too, and back.
 
     Spellings of one mailbox compare as one, or a client could slip past the list by
-    respelling it: a quoted local part in its least quoted form (``normal_local``), and
-    the domain without the root's dot (``example.org.`` is ``example.org``)."""
+    respelling it: a quoted local part in its least quoted form (``canonical_local``, the
+    spelling zoneq queues), and the domain without the root's dot (``example.org.`` is
+    ``example.org``)."""
     local, at, domain = address.rpartition("@")
-    return f"{normal_local(local).lower()}@{bare_domain(domain)}" if at else address.lower()
-
-
-def normal_local(local: str) -> str:
-    """A local part in its least quoted form.  RFC 5322 section 3.2.4: a quoted-string is
-    "identical to atom, semantically", so ``"eve"`` and ``"\\e\\ve"`` are ``eve``; one that
-    needs its quotes keeps them, with only ``"`` and ``\\`` escaped (the only characters
-    RFC 5321 section 4.1.2's qtextSMTP leaves out), so ``"a\\ b"`` is ``"a b"``."""
-    if len(local) < 2 or local[0] != '"' or local[-1] != '"':
-        return local
-    content = _QUOTED_PAIR.sub(r"\1", local[1:-1])
-    if _DOT_ATOM.fullmatch(content):
-        return content
-    return '"' + content.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return f"{canonical_local(local).lower()}@{bare_domain(domain)}" if at else address.lower()
 
 
 def parse(text: str, where: Path) -> dict[str, frozenset[str]]:

@@ -26,6 +26,8 @@ Choices:
   ``<>``, else 501 5.5.4) and then dropped: zoneq does not pass the AUTH identity on to the
   next hop, which is what the RFC allows a server that does not trust it (it is then
   treated as ``<>``).  The session's own AUTH user is what zoneq records.
+* A mailbox is returned with its local part least quoted (``local_parts``, RFC 5321
+  section 4.1.2): ``"bob"@x`` is stored as ``bob@x``, the one mailbox it names.
 * A source route (``<@a,@b:user@c>``, RFC 5321 section 4.1.2 A-d-l) is parsed, never
   followed.  In a reverse-path it is dropped (appendix C: servers "MUST be prepared to
   receive" it, section 3.6.1: they SHOULD ignore it).  In a forward-path it is handed on
@@ -43,6 +45,7 @@ from typing import Final
 from zoneq.errors import ProtocolError
 from zoneq.protocol.domains import EMPTY_LABEL, has_empty_label
 from zoneq.protocol.dsn import Notify, Ret
+from zoneq.protocol.local_parts import canonical_address
 from zoneq.protocol.replies import EnhancedStatus, Reply
 from zoneq.protocol.xtext import utf8_xtext_decode, xtext_decode
 
@@ -200,7 +203,10 @@ def _split_route(path: str) -> tuple[str | None, str]:
 
 
 def _check_mailbox(path: str, *, utf8: bool, postmaster_ok: bool = False) -> str:
-    """Validate a mailbox (a path's content without its source route) and return it."""
+    """Validate a mailbox (a path's content without its source route) and return it with
+    its local part least quoted (``canonical_address``): ``"bob"@x`` and ``bob@x`` are one
+    mailbox (RFC 5322 section 3.4.1), so they are one recipient, one sender in the DSNs
+    and events, and one key for the plugins, as the HTTP API's intake stores them."""
     if postmaster_ok and path.lower() == "postmaster":
         return path  # RFC 5321 section 4.1.1.3: "<Postmaster>" without a domain.
     local, at, domain = path.rpartition("@")
@@ -219,7 +225,7 @@ def _check_mailbox(path: str, *, utf8: bool, postmaster_ok: bool = False) -> str
     if not path.isascii() and not utf8:
         # RFC 6531 section 3.5: non-ASCII addresses need the SMTPUTF8 parameter.
         raise CommandError(_reply(553, "Non-ASCII address requires SMTPUTF8", 5, 6, 7))
-    return path
+    return canonical_address(path)
 
 
 def _parameters(text: str) -> dict[str, str | None]:

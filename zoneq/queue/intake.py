@@ -23,7 +23,8 @@ would disclose them (RFC 5322 section 3.6.3).  Addresses are checked as RFC 5321
 (``check_address``), and a recipient with the percent hack is refused, as the SMTP
 receiver refuses it at RCPT from every client.  An ASCII local part at a U-label domain is
 queued with the domain's A-label, so the message needs no SMTPUTF8 for it (RFC 6531), and a
-recipient given twice (the domain in another case) is queued once (``Envelope.checked``).
+recipient given twice (in another case of the domain, or quoted) is queued once: local parts
+are least quoted, ``"bob"`` is ``bob`` (``Envelope.checked``).
 A header section stored in UTF-8 (RFC 6532) does need SMTPUTF8, whatever the envelope.
 
 Routing is the receiver's (issue 5): the rules with the envelope sender and the client's
@@ -57,6 +58,7 @@ from zoneq.config import Config
 from zoneq.errors import ZoneqError
 from zoneq.plugin import Drop, PluginHost
 from zoneq.protocol.domains import EMPTY_LABEL, ascii_address, has_empty_label, normal_domain
+from zoneq.protocol.local_parts import canonical_address
 from zoneq.protocol.relay_addresses import is_percent_hack
 from zoneq.protocol.replies import Reply
 from zoneq.queue.consults import ROUTE_DEADLINE_S, consult_all
@@ -206,15 +208,16 @@ def check_recipient(address: str) -> str:
 
 
 def envelope_address(address: str, *, what: str = "address") -> str:
-    """A checked address as the envelope carries it: an ASCII local part at a U-label
-    domain gets the domain's A-label (RFC 5890 section 2.3.2.1).
+    """A checked address as the envelope (and the SMTP receiver) stores it: the local part
+    least quoted (``canonical_address``: ``"bob"@x`` is ``bob@x``, RFC 5322 3.4.1), and an
+    ASCII local part at a U-label domain with the domain's A-label (RFC 5890 2.3.2.1).
 
     RFC 6531 needs SMTPUTF8 only for an address with no ASCII form, that is a non-ASCII
     local part; a domain has one.  Kept as a U-label, it would make the whole message need
     SMTPUTF8, and every recipient bounce at an MX without it (``smtputf8`` below).  A
     non-ASCII local part is kept as given: the message needs SMTPUTF8 anyway."""
     try:
-        return ascii_address(address)
+        return ascii_address(canonical_address(address))
     except ValueError as exc:
         raise Unacceptable(f"{what} {address!r}: {exc}") from None
 
@@ -238,8 +241,8 @@ class Envelope:
     recipients: tuple[str, ...]
 
     def checked(self) -> Envelope:
-        """This envelope checked (``Unacceptable``), as it is queued: domains A-labelled
-        where the local part is ASCII (``envelope_address``), recipients without repeats."""
+        """This envelope checked (``Unacceptable``), as it is queued (``envelope_address``:
+        local parts least quoted, U-labels A-labelled), recipients without repeats."""
         sender = self.sender
         if sender:
             sender = envelope_address(check_address(sender, what="sender"), what="sender")
