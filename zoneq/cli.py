@@ -85,13 +85,14 @@ def _cmd_receiver(args: argparse.Namespace) -> int:
 def _cmd_check_config(args: argparse.Namespace) -> int:
     from zoneq.plugin.check import config_problems
 
+    path: Path | None = args.config or args.config_option
     # The loader's faults and what start-up would find next: each plugin's own init (key
     # files, zones, events), run for every plugin that loads even when another did not.
-    problems, config = config_problems(args.config)
+    problems, config = config_problems(path)
     warnings: list[str] = []
     if config is not None:  # and the API token, read as serve reads it
         problems += _token_problems(config, warnings)
-    where = args.config if args.config is not None else "the built-in configuration"
+    where = path if path is not None else "the built-in configuration"
     for line in warnings:
         print(f"{where}: warning: {line}", file=sys.stderr)
     if problems:
@@ -154,7 +155,14 @@ def build_parser(*, internal_only: bool = False) -> argparse.ArgumentParser:
     rx.set_defaults(func=_cmd_receiver)
 
     check = sub.add_parser("check-config", help="validate a config file and name each problem")
-    check.add_argument("config", type=Path, nargs="?", default=None)
+    # Also as --config, the way serve takes it: the same file, so the same spelling works.
+    where = check.add_mutually_exclusive_group()
+    where.add_argument(
+        "config", type=Path, nargs="?", default=None, metavar="FILE", help="a zones.toml file"
+    )
+    where.add_argument(
+        "--config", dest="config_option", type=Path, default=None, metavar="FILE", help="the same"
+    )
     check.set_defaults(func=_cmd_check_config)
 
     if internal_only:

@@ -87,6 +87,17 @@ def open_store(config: Config) -> QueueStore:
         raise DataDirError(f"server.data_dir: {exc}") from None
     swept = store.recover()
     store.space.restore()
+    if store.space.reserve and not store.space.reserve_path.exists():
+        # Not fatal (mail still flows), but the operator set a reserve and does not have one.
+        log.warning(
+            "storage.reserve: the recovery reserve of %d bytes is not in place: %s has %d "
+            "bytes free, and it needs the reserve plus the larger of storage.min_free and "
+            "the reserve; until then a full disk needs an operator (retried at each "
+            "maintenance round)",
+            store.space.reserve,
+            path,
+            store.space.free_bytes(),
+        )
     if swept:
         log.info("swept %d uncommitted message(s) left by the previous run", swept)
     return store

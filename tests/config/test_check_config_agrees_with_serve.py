@@ -24,6 +24,8 @@ pytestmark = pytest.mark.integration
         ("delivery", 'nameservers = ["not-an-ip"]', "delivery.nameservers[0]"),
         ("server", 'data_dir = ""', "server.data_dir"),
         ("receiver", 'listen = "no such host:2525"', "receiver.listen"),
+        # Serve named no key for an address not of this host, and had opened the queue.
+        ("receiver", 'listen = "192.0.2.1:2525"', "receiver.listen"),
     ],
 )
 def test_check_config_and_serve_both_refuse(

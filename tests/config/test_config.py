@@ -438,6 +438,52 @@ BAD = [
         "1024 bytes is too small to recover with: 0 for none, or at least 8MiB",
         id="reserve-too-small",
     ),
+    # check-config accepted these, or named the key with a message that misled.
+    pytest.param(
+        "[storage]\nreserve = 1000000000000000\n" + ZONES,
+        "storage.reserve",
+        "1000000000000000 bytes is more than recovery can use: at most 1GiB",
+        id="reserve-too-large",
+    ),
+    pytest.param(
+        '[storage]\nreserve = "1025MiB"\n' + ZONES,
+        "storage.reserve",
+        "at most 1GiB",
+        id="reserve-just-past-its-ceiling",
+    ),
+    pytest.param(
+        "[storage]\nmin_free = -1\n" + ZONES,
+        "storage.min_free",
+        "must be 0 or more, got integer -1",
+        id="size-negative-integer",
+    ),
+    pytest.param(
+        '[delivery]\ntls = "always"\n' + ZONES,
+        "delivery.tls",
+        "must be one of 'opportunistic', 'required' or 'none', got string \"always\"",
+        id="tls-not-one-of-the-choices",
+    ),
+    pytest.param(
+        '[api]\ntoken = "abc"\n' + ZONES,
+        "api.token",
+        "must be at least 16 characters long",
+        id="api-token-too-short",
+    ),
+    pytest.param(
+        ZONES + '[[routing.rules]]\nsender_domian = ["a.example"]\nzone = "default"\n',
+        "routing.rules[0].sender_domian",
+        "did you mean 'sender_domain'",
+        id="unknown-key-in-an-array-of-tables",
+    ),
+    *(
+        pytest.param(
+            f'[{section}]\n{key} = "192.0.2.1:2525"\n' + ZONES,
+            f"{section}.{key}",
+            "192.0.2.1 is not an address of this host (bind failed: ",
+            id=f"{section}-{key}-not-on-this-host",
+        )
+        for section, key in (("receiver", "listen"), ("api", "listen"))
+    ),
 ]
 
 
@@ -595,6 +641,7 @@ def test_a_bad_tls_policy_names_the_key() -> None:
     [
         '[storage]\nreserve = 0\nevent_retention = "36500d"\n',
         '[storage]\nreserve = "8MiB"\n',
+        '[storage]\nreserve = "1GiB"\n',
         '[delivery]\nnameservers = ["127.0.0.1", "::1"]\n',
         '[receiver]\nlisten = "[::1]:2525"\n[api]\nlisten = "localhost:8025"\n',
         '[receiver]\nlisten = "0.0.0.0:25"\n[api]\nlisten = "127.0.0.1:8025"\n',

@@ -15,7 +15,7 @@ from typing import Annotated, Final
 from pydantic import AfterValidator
 from pydantic_core import PydanticCustomError
 
-__all__ = ["ListenAddress", "same_listener", "split_listen"]
+__all__ = ["ListenAddress", "is_host_name", "same_listener", "split_listen"]
 
 _EXAMPLES: Final = "e.g. '127.0.0.1:2525', '0.0.0.0:25' or '[::1]:2525'"
 
@@ -41,6 +41,12 @@ def split_listen(value: str) -> tuple[str, int]:
     if port > 65535:
         raise ValueError(f"invalid listen address {value!r}: port must be 0-65535")
     return host, port
+
+
+def is_host_name(host: str) -> bool:
+    """Whether a valid listen host is a name (``localhost``, this host by definition)
+    rather than an IP address, which may or may not be one of this host's."""
+    return host.lower().rstrip(".") in _NAMED_HOSTS
 
 
 def _bound_hosts(host: str) -> frozenset[str]:

@@ -18,13 +18,20 @@ from collections.abc import Callable, Iterator, Mapping
 from datetime import date, datetime, time
 from importlib import resources
 from pathlib import Path
-from typing import Any, Final, NamedTuple, Union, get_args, get_origin
+from typing import Annotated, Any, Final, NamedTuple, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from zoneq.config.model import PROBLEMS_ERROR_TYPE, Config
-from zoneq.config.plugins import PluginConfig, PluginImportError, import_plugin, plugin_options
+from zoneq.config.listen import is_host_name
+from zoneq.config.model import CROSS_CHECKED, PROBLEMS_ERROR_TYPE, Config
+from zoneq.config.plugins import (
+    PluginConfig,
+    PluginImportError,
+    import_plugin,
+    options_model,
+    plugin_options,
+)
 from zoneq.config.types import SIZE_EXPECTED
 from zoneq.errors import ConfigError
 
@@ -142,13 +149,32 @@ def validate_config(data: Mapping[str, Any], source: str = "<data>") -> Config:
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
-        raise InvalidConfig(problems_from(exc), source) from None
-    problems = [*_pool_problems(config), *_plugin_problems(config)]
+        faulty = {error["loc"][0] for error in exc.errors() if error["loc"]}
+        problems = [*problems_from(exc), *_cross_problems(data, faulty)]
+        raise InvalidConfig(problems, source) from None
+    problems = [*_pool_problems(config), *_listen_problems(config), *_plugin_problems(config)]
     if problems:
         refused = InvalidConfig(problems, source)
         refused.model = config  # check-config runs the plugins' init on it
         raise refused
     return config
+
+
+def _cross_problems(data: Mapping[str, Any], faulty: set[int | str]) -> list[Problem]:
+    """The faults of ``Config``'s own checks (zone references, the API's address) when
+    pydantic skipped them for faults in the ``faulty`` sections, so that one run lists a
+    bad ``storage`` value and an undefined ``routing.default_zone`` together.
+
+    Exact, never a guess: it runs only when those checks read no faulty section, and then
+    validates the file without the faulty sections, which the checks do not read.
+    """
+    if not faulty or faulty & CROSS_CHECKED:  # none: the checks ran and are reported
+        return []
+    try:
+        Config.model_validate({key: value for key, value in data.items() if key not in faulty})
+    except ValidationError as exc:
+        return problems_from(exc)
+    return []
 
 
 def check_config(path: Path | None = None) -> list[str]:
@@ -162,8 +188,13 @@ def check_config(path: Path | None = None) -> list[str]:
     return []
 
 
-def problems_from(exc: ValidationError) -> list[Problem]:
-    """Restate pydantic's errors as dotted keys and operator-facing sentences."""
+def problems_from(exc: ValidationError, root: type[BaseModel] = Config) -> list[Problem]:
+    """Restate pydantic's errors as dotted keys and operator-facing sentences.
+
+    ``root`` is the model that was validated (a plugin's ``Options`` for its options
+    table): an unknown key is answered with the keys of the table it is in, found by
+    walking ``root``'s fields along the key.
+    """
     problems: list[Problem] = []
     for error in exc.errors(include_url=False):
         loc = tuple(error["loc"])
@@ -172,7 +203,7 @@ def problems_from(exc: ValidationError) -> list[Problem]:
             # A model-level check that named the keys at fault itself.
             problems.extend(Problem(dotted_key(loc + tuple(k)), t) for k, t in ctx["problems"])
         else:
-            problems.append(Problem(dotted_key(loc), _describe(error)))
+            problems.append(Problem(dotted_key(loc), _describe(error, root)))
     return problems
 
 
@@ -222,17 +253,16 @@ _ESCAPES: Final[dict[str, str]] = {
 }
 
 
-def _describe(error: ErrorDetails) -> str:
+def _describe(error: ErrorDetails, root: type[BaseModel]) -> str:
     kind = error["type"]
     ctx = error.get("ctx") or {}
     got = _toml_value(error["input"])
     if kind == "extra_forbidden":
-        return _unknown_key(tuple(error["loc"]))
+        return _unknown_key(tuple(error["loc"]), root)
     if kind in _EXPECTED:
         return f"expected {_EXPECTED[kind]}, got {got}"
-    if kind in _BOUNDS:
-        template, bound = _BOUNDS[kind]
-        return f"must be {template.format(ctx[bound])}, got {got}"
+    if kind in _LIMITS:
+        return _LIMITS[kind].format(**ctx, got=got)
     if kind == "value_error" and "error" in ctx:
         return str(ctx["error"])
     # "missing" and our own PydanticCustomErrors (durations, zone names, retry schedules)
@@ -259,11 +289,15 @@ _EXPECTED: Final[dict[str, str]] = {
     "size": SIZE_EXPECTED,
 }
 
-_BOUNDS: Final[dict[str, tuple[str, str]]] = {
-    "greater_than_equal": ("{} or more", "ge"),
-    "greater_than": ("more than {}", "gt"),
-    "less_than_equal": ("{} or less", "le"),
-    "less_than": ("less than {}", "lt"),
+# Formatted with the error's context and ``got``, the value as written.
+_LIMITS: Final[dict[str, str]] = {
+    "greater_than_equal": "must be {ge} or more, got {got}",
+    "greater_than": "must be more than {gt}, got {got}",
+    "less_than_equal": "must be {le} or less, got {got}",
+    "less_than": "must be less than {lt}, got {got}",
+    "literal_error": "must be one of {expected}, got {got}",
+    # Not the value: this is how short tokens and secrets are (api.token, a plugin's).
+    "string_too_short": "must be at least {min_length} characters long",
 }
 
 _PLAIN: Final[dict[str, str]] = {
@@ -293,8 +327,8 @@ def _toml_value(value: object) -> str:
     return repr(value)
 
 
-def _unknown_key(loc: tuple[int | str, ...]) -> str:
-    known = _known_keys(loc[:-1])
+def _unknown_key(loc: tuple[int | str, ...], root: type[BaseModel]) -> str:
+    known = _known_keys(loc[:-1], root)
     if not known:
         return "unknown key"
     wrong = str(loc[-1])
@@ -304,14 +338,15 @@ def _unknown_key(loc: tuple[int | str, ...]) -> str:
     return f"unknown key; known keys here: {', '.join(known)}"
 
 
-def _known_keys(loc: tuple[int | str, ...]) -> list[str]:
-    """The keys the model at ``loc`` accepts, found by walking the schema along ``loc``."""
-    node: Any = Config
+def _known_keys(loc: tuple[int | str, ...], root: type[BaseModel]) -> list[str]:
+    """The keys the model at ``loc`` accepts, found by walking ``root``'s schema along ``loc``."""
+    node: Any = root
     for part in loc:
         model = _model_in(node)
         if model is None:
-            # A dict (zones): the part is a name chosen by the operator; step to the values.
-            node = _dict_value_type(node)
+            # A dict (zones) or an array (routing.rules): the part is a name chosen by the
+            # operator or an index; step to the values.
+            node = _item_type(node)
             if node is None:
                 return []
             continue
@@ -330,18 +365,22 @@ def _model_in(node: Any) -> type[BaseModel] | None:
     return None
 
 
-def _dict_value_type(node: Any) -> Any:
+def _item_type(node: Any) -> Any:
+    """The type of a dict's values or of an array's items."""
     for candidate in _flatten(node):
-        if get_origin(candidate) is dict:
-            return get_args(candidate)[1]
+        if get_origin(candidate) in (dict, list):
+            return get_args(candidate)[-1]
     return None
 
 
 def _flatten(node: Any) -> Iterator[Any]:
-    """The alternatives of a union (``X | None``), or the node itself."""
+    """The alternatives of a union (``X | None``), or the node itself; ``Annotated``
+    metadata (validators of a plugin's own types) set aside."""
     if get_origin(node) in (Union, types.UnionType):
         for arg in get_args(node):
             yield from _flatten(arg)
+    elif get_origin(node) is Annotated:
+        yield from _flatten(get_args(node)[0])
     else:
         yield node
 
@@ -358,6 +397,23 @@ def _pool_problems(config: Config) -> Iterator[Problem]:
                 key = dotted_key(("zones", zone_name, "pool", index, "address"))
                 text = f"{entry.address} is not an address of this host ({reason})"
                 yield Problem(key, text)
+
+
+def _listen_problems(config: Config) -> Iterator[Problem]:
+    """A listen address that is not one of this host's would stop serve at start-up, after
+    the queue is opened; said here, with its key, check-config finds it too."""
+    listeners = [
+        ("receiver", "listen", config.receiver.listen_address),
+        ("receiver", "tls_listen", config.receiver.tls_listen_address),
+        ("api", "listen", config.api.listen_address if config.api.enabled else None),
+    ]
+    for section, key, address in listeners:
+        if address is None or is_host_name(address[0]):
+            continue
+        reason = _bind_failure(address[0])
+        if reason is not None:
+            text = f"{address[0]} is not an address of this host ({reason})"
+            yield Problem(dotted_key((section, key)), text)
 
 
 def _bind_failure(address: str) -> str | None:
@@ -390,9 +446,11 @@ def load_plugin(
         options = plugin_options(module, plugin)
     except ValidationError as exc:
         prefix = dotted_key(("plugins", name, "options"))
+        # Only a plugin with an Options model raises this; its fields are the known keys.
+        root = options_model(module) or BaseModel
         problems = [
             Problem(f"{prefix}.{problem.key}" if problem.key else prefix, problem.text)
-            for problem in problems_from(exc)
+            for problem in problems_from(exc, root)
         ]
         raise InvalidConfig(problems, f"plugins.{name}") from None
     return module, options

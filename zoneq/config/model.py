@@ -91,11 +91,20 @@ _UNBOUNDED_MAX_AGE: Final = MAX_DURATION
 # LevelDB's write buffer in zoneq.storage.leveldb (8 MiB): reopening a full queue flushes up
 # to one memtable, so a smaller reserve frees too little to let the queue open and drain.
 MIN_RESERVE: Final = 8 << 20
+# A reopen replays at most two memtables (zoneq/storage/space.py: 4x the write buffer is
+# safe), so 1 GiB is 32 times what recovery needs.  More only takes space from the queue,
+# and is put in place only while twice as much is free: a typo like "64GiB" or a byte
+# count with extra zeros would leave no reserve at all, silently.
+MAX_RESERVE: Final = 1 << 30
 
 
 def _check_reserve(value: ByteSize) -> ByteSize:
+    reason = None
     if 0 < value < MIN_RESERVE:
         reason = f"{value} bytes is too small to recover with: 0 for none, or at least 8MiB"
+    elif value > MAX_RESERVE:
+        reason = f"{value} bytes is more than recovery can use: at most 1GiB (it needs ~32MiB)"
+    if reason is not None:
         raise PydanticCustomError("reserve", "{reason}", {"reason": reason})
     return value
 
@@ -160,8 +169,8 @@ class StorageConfig(_Section):
 
     reserve: Annotated[Size, AfterValidator(_check_reserve)] = ByteSize(64 << 20)
     """A file of this size kept in the queue directory and released if the disk fills anyway,
-    so LevelDB can reopen and the queue can drain; 0 for none, otherwise at least 8 MiB
-    (one LevelDB write buffer, the memtable that a reopen flushes: ``_check_reserve``)."""
+    so LevelDB can reopen and the queue can drain; 0 for none, otherwise 8 MiB (one LevelDB
+    write buffer, the memtable that a reopen flushes) to 1 GiB (``_check_reserve``)."""
 
     @property
     def event_retention_ms(self) -> int:
@@ -237,22 +246,28 @@ class ZoneConfig(_Section):
             raise PydanticCustomError("retry_schedule", "{reason}", {"reason": str(exc)}) from None
         return value
 
+    # One validator for both checks: pydantic stops at the first after-validator that
+    # raises, which would hide the second fault until the next run.
     @model_validator(mode="after")
-    def _check_schedule(self) -> Self:
+    def _check_pairs(self) -> Self:
+        problems = [*self._schedule_problems(), *self._family_problems()]
+        if problems:
+            raise problems_error(*problems)
+        return self
+
+    def _schedule_problems(self) -> list[tuple[tuple[str, ...], str]]:
         try:
             RetrySchedule.parse(self.retry, self.max_age)
         except ValueError as exc:
-            text = _max_age_problem(self.retry, self.max_age, exc)
-            raise problems_error((("max_age",), text)) from None
-        return self
+            return [(("max_age",), _max_age_problem(self.retry, self.max_age, exc))]
+        return []
 
-    @model_validator(mode="after")
-    def _check_families(self) -> Self:
+    def _family_problems(self) -> list[tuple[tuple[str, ...], str]]:
         # A pool of IPv6 addresses only with IPv6 off could never connect anywhere.
         if not self.ipv6 and self.pool and all(":" in entry.address for entry in self.pool):
             text = "is false, but every pool address is IPv6: the zone could not send at all"
-            raise problems_error((("ipv6",), text))
-        return self
+            return [(("ipv6",), text)]
+        return []
 
     # Parsed on each use rather than cached in a private attribute: parsing costs
     # microseconds, and a cache would go stale under model_copy(update=...), which does
@@ -579,6 +594,11 @@ def _no_zones_is_an_error(zones: dict[str, ZoneConfig]) -> dict[str, ZoneConfig]
             "no_zones", "no zones defined: add at least one [zones.<name>] table", {}
         )
     return zones
+
+
+CROSS_CHECKED: Final = frozenset({"zones", "routing", "receiver", "api"})
+"""The sections ``Config._check_references`` reads: the loader runs that check without the
+other sections when only they are at fault (pydantic skips it after any fault)."""
 
 
 class Config(_Section):

@@ -30,6 +30,7 @@ __all__ = [
     "PluginImportError",
     "PluginName",
     "import_plugin",
+    "options_model",
     "plugin_options",
 ]
 
@@ -141,7 +142,15 @@ def plugin_options(module: ModuleType, config: PluginConfig) -> BaseModel | dict
     Raises pydantic's ``ValidationError``; the loader names each fault's key under
     ``plugins.<name>.options``.
     """
-    model = getattr(module, "Options", None)
-    if isinstance(model, type) and issubclass(model, BaseModel):
+    model = options_model(module)
+    if model is not None:
         return model.model_validate(config.options)
     return dict(config.options)
+
+
+def options_model(module: ModuleType) -> type[BaseModel] | None:
+    """The plugin's ``Options`` model, or None when it takes any options as a dict."""
+    model = getattr(module, "Options", None)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return model
+    return None

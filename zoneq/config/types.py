@@ -225,6 +225,12 @@ def _size_input(value: object) -> object:
     # value and unit" of 1000.7; TOML has integers, so a size is one or a string.
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise PydanticCustomError("size", "expected {expected}", {"expected": SIZE_EXPECTED})
+    # ByteSize refuses a negative integer as unparsable, and "expected an integer" would
+    # then be said of an integer.
+    if isinstance(value, int) and value < 0:
+        raise PydanticCustomError(
+            "size_negative", "must be 0 or more, got integer {value}", {"value": value}
+        )
     return value
 
 
