@@ -122,7 +122,7 @@ async def maintain(store: QueueStore, config: Config) -> None:
         # duration may be) keeps everything, and a negative time cannot be packed in a key.
         cutoff = max(0, now_ms() - config.storage.event_retention_ms)
         trimmed = await store.trim_expired_events(cutoff)
-        store.compact()
+        await store.compact()  # in a thread: the loop keeps serving meanwhile
         if store.space.restore():
             log.info("recovery reserve of %d bytes in place", store.space.reserve)
     except StorageUnavailable as exc:

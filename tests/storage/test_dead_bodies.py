@@ -44,10 +44,10 @@ async def big_message(store: QueueStore) -> int:
     return await queue_message(store, [("a@dest.test", Z), ("b@dest.test", Z)], body=body)
 
 
-def body_in_tables(store: QueueStore, directory: Path) -> int:
+async def body_in_tables(store: QueueStore, directory: Path) -> int:
     """Compact, so the body is in table files as on a disk that filled up over time; the
     directory's size then."""
-    store.compact()
+    await store.compact()
     size = disk_use(directory)
     assert size > BODY_MIB * MIB
     return size
@@ -66,14 +66,14 @@ async def test_a_big_message_deleted_by_an_operator_gives_its_space_back(
     store = stores.open()
     directory = stores.path
     msg_id = await big_message(store)
-    before = body_in_tables(store, directory)
+    before = await body_in_tables(store, directory)
     if how == "deleted":
         assert await store.drop(msg_id, T0) == 2
     else:
         chosen = list(store.recipients(msg_id))
         assert await store.drop_many(chosen, T0) == 2
     await store.drain()
-    store.compact()  # the maintenance round
+    await store.compact()  # the maintenance round
     assert_space_back(directory, before)
     assert store.count(Z, State.READY) == 0
     await assert_consistent(store)
@@ -89,14 +89,14 @@ async def test_a_big_message_that_left_the_queue_by_delivery_gives_its_space_bac
     store = stores.open()
     directory = stores.path
     await big_message(store)
-    before = body_in_tables(store, directory)
+    before = await body_in_tables(store, directory)
     for lease in store.lease(Z, 10, "w1"):
         if how == "delivered":
             await store.complete(lease, T0, Outcome(reply="250 ok", code=250))
         else:
             await store.bounce(lease, T0, Outcome(reply="550 no", code=550))
     await store.drain()
-    store.compact()  # the maintenance round
+    await store.compact()  # the maintenance round
     assert_space_back(directory, before)
     await assert_consistent(store)
 
@@ -116,14 +116,14 @@ async def test_a_dead_body_is_still_compacted_after_a_stop_before_the_round(
         msg_id = store.begin(T0)
         for index in range(BODY_MIB * MIB // CHUNK):
             await store.write_chunk(msg_id, index, os.urandom(CHUNK))
-    before = body_in_tables(store, directory)
+    before = await body_in_tables(store, directory)
     if how == "deleted":
         assert await store.drop(msg_id, T0) == 2
     else:
         await store.abandon(msg_id)
     await store.close()  # stopped before the maintenance round
     store = stores.open()
-    store.compact()  # the first round after the restart
+    await store.compact()  # the first round after the restart
     assert_space_back(directory, before)
     await store.close()
     store = stores.open()
@@ -140,15 +140,15 @@ async def test_a_round_while_the_deletes_are_staged_leaves_the_body_for_the_next
     store = stores.open()
     directory = stores.path
     msg_id = await big_message(store)
-    before = body_in_tables(store, directory)
+    before = await body_in_tables(store, directory)
     drop = asyncio.create_task(store.drop(msg_id, T0))
     while msg_id not in store._dead_bodies:
         await asyncio.sleep(0)
     assert store.database.get(dead_body_key(msg_id)) is None  # staged, not landed
-    store.compact()  # the round, now
+    await store.compact()  # the round, now
     assert await drop == 2
     await store.drain()
-    store.compact()  # the next round
+    await store.compact()  # the next round
     assert_space_back(directory, before)
     assert store.database.get(dead_body_key(msg_id)) is None  # and the record went
     await assert_consistent(store)
@@ -166,13 +166,13 @@ async def test_a_big_message_whose_failed_commit_landed_gives_its_space_back(
     chunks = BODY_MIB * MIB // CHUNK
     for index in range(chunks):
         await store.write_chunk(msg_id, index, os.urandom(CHUNK))
-    before = body_in_tables(store, directory)
+    before = await body_in_tables(store, directory)
     stores.faulty(store).fail_syncs = 1
     meta = make_meta(msg_id, size=BODY_MIB * MIB, chunks=chunks)
     with contextlib.suppress(StorageUnavailable):
         await store.commit(meta, (NewRecipient("a@dest.test", Z),), T0)
     store.reopen()
     assert store.database.get(keys.message_head(msg_id)) is None  # removed by the reopen
-    store.compact()  # the maintenance round
+    await store.compact()  # the maintenance round
     assert_space_back(directory, before)
     await assert_consistent(store)

@@ -187,7 +187,7 @@ async def tombstone_seek(path: Path, deliveries: int) -> tuple[float, float, flo
         key = store.database.first_key(prefix, keys.prefix_upper_bound(prefix))
         prefix_times.append((time.perf_counter() - started) * 1000)
         assert key is not None and keys.decode_record(key)[3] == "last@d.test"
-    store.compact()
+    await store.compact()
     started = time.perf_counter()
     store.database.first_key(prefix, keys.prefix_upper_bound(prefix))
     after_compact = (time.perf_counter() - started) * 1000

@@ -12,12 +12,21 @@ plyvel's exceptions become zoneq's at this one boundary (STYLE.md, after httpcor
 Writes take a list of ``(key, value-or-None)`` pairs and go as one ``WriteBatch``, so every
 queue transition is atomic.  ``sync=True`` fsyncs LevelDB's log, which also makes every
 earlier unsynced write durable (the log is one append-only file).
+
+:meth:`compact_range` may run in a thread of its own (the maintenance round: ``maintenance.py``)
+while the event loop goes on: plyvel releases the GIL around LevelDB's ``CompactRange``.  But
+plyvel's ``close`` deletes the C++ handle without waiting for a call in another thread, and a
+``CompactRange`` on a deleted handle is a use after free (a crash).  So a compaction holds
+``_compacting`` around its call, :meth:`close` waits for it, and :meth:`reopen` (on the event
+loop, after a failed write) does not wait: it fails as a reopen does while its cause lasts,
+and its owner tries again a second later (``StoreBase._check``).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,7 +43,9 @@ SYNC_PROBE = "zoneq-sync-probe"
 
 
 class Database:
-    """An open LevelDB directory.  Not thread-safe for open/close; reads and writes are."""
+    """An open LevelDB directory.  Reads, writes and compactions are thread-safe; open,
+    close and reopen belong to one thread (the event loop's) and never run under a
+    compaction in another."""
 
     # The write buffer is LevelDB's memtable, and a full one is kept while it is flushed: up
     # to twice this in anonymous memory while a big message streams in.  At 16 MiB that was
@@ -50,6 +61,7 @@ class Database:
             "compression": "snappy",
         }
         self._db: Any = None
+        self._compacting = threading.Lock()  # held by a compaction; see the module's doc
         self.open()
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -75,6 +87,12 @@ class Database:
             raise StorageUnavailable(f"cannot open {self.path}: {_text(exc)}") from exc
 
     def close(self) -> None:
+        """Close the handle, once a compaction running in another thread has ended (at
+        most one range's: the maintenance round hands them over one at a time)."""
+        with self._compacting:
+            self._close()
+
+    def _close(self) -> None:
         if self._db is not None:
             self._db.close()
             self._db = None
@@ -84,11 +102,18 @@ class Database:
 
         A sync is tried first, on a file of our own: opening syncs a new log and manifest,
         so while the disk cannot sync the open would fail and leave no handle at all, where
-        the failed one still reads (and the queue goes on delivering, ``held.py``).
+        the failed one still reads (and the queue goes on delivering, ``held.py``).  While
+        a compaction runs, ``StorageUnavailable`` at once and nothing closed: waiting for
+        it would hold the event loop for as long as the compaction takes.
         """
         self.probe_sync()
-        self.close()
-        self.open()
+        if not self._compacting.acquire(blocking=False):
+            raise StorageUnavailable(f"cannot reopen {self.path} yet: a compaction is running")
+        try:
+            self._close()
+            self.open()
+        finally:
+            self._compacting.release()
 
     def probe_sync(self) -> None:
         """Write and fdatasync a byte in the database's directory, or raise as a write would.
@@ -228,11 +253,15 @@ class Database:
             snap.close()
 
     def compact_range(self, start: bytes, stop: bytes) -> None:
-        """Compact an explicit range (plyvel 1.5.1's argument-less call does nothing)."""
-        try:
-            self._handle().compact_range(start=start, stop=stop)
-        except plyvel.Error as exc:
-            raise StorageUnavailable(f"compaction failed: {_text(exc)}") from exc
+        """Compact an explicit range (plyvel 1.5.1's argument-less call does nothing).
+
+        Safe in a thread of its own: the handle is taken, and used, under ``_compacting``,
+        so it is never one that :meth:`close` or :meth:`reopen` is deleting."""
+        with self._compacting:
+            try:
+                self._handle().compact_range(start=start, stop=stop)
+            except plyvel.Error as exc:
+                raise StorageUnavailable(f"compaction failed: {_text(exc)}") from exc
 
 
 def _text(exc: BaseException) -> str:
