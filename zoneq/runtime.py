@@ -51,7 +51,7 @@ from zoneq.receiver.server import SmtpReceiver
 from zoneq.storage.records import MessageMeta, NewRecipient, State
 from zoneq.storage.store import DroppedRecipient as StoreDropped
 from zoneq.storage.store import QueueStore
-from zoneq.supervisor import Supervisor
+from zoneq.supervisor import Supervisor, Watch
 
 log = logging.getLogger("zoneq")
 
@@ -65,6 +65,11 @@ T = TypeVar("T")
 # progress; the IPC server and the store close in well under a second), so 20 s leaves
 # those 10 s of margin on a loaded machine.
 WORKER_GRACE_S = 20.0
+# A worker the core has not heard from for this long is hung (SIGSTOP, a blocked event
+# loop): it is killed, so its leases go back to ready and a new one takes its place.  A
+# live worker writes every 2 s at least (``delivery/worker.py``); a minute leaves room for
+# a loaded machine.
+WORKER_SILENCE_S = 60.0
 
 
 def now_ms() -> int:
@@ -176,6 +181,7 @@ async def serve(
             config_path,
             grace=WORKER_GRACE_S,
             config_text=config_text,
+            watch=Watch(server.heard, silence=WORKER_SILENCE_S),
         )
         running.push_async_callback(supervisor.stop)
         promoter = asyncio.create_task(service.run(stop))

@@ -30,6 +30,15 @@ start does not spin.  On shutdown every child gets SIGTERM (a worker finishes th
 hand, a receiver answers 421 and finishes or abandons its messages), then SIGKILL after
 ``grace`` seconds; always by PID, and only the processes started here.  serve stops the
 receivers' supervisor first.
+
+A worker that hangs (SIGSTOP, an event loop blocked) does not exit, and its IPC connection
+stays open, so its leases and connection slots would stay held for good.  With a ``Watch``
+the supervisor asks the IPC server once a second when it last heard from each worker (a
+live one writes at least every few seconds, ``delivery/worker.py``) and SIGKILLs one
+silent for longer than ``Watch.silence``; the exit path above then returns its leases (the
+connection ends) and restarts it.  A worker that has not said hello yet is still starting
+(plugins loading, a loaded machine) and is given ``Watch.starting`` from its start instead.
+The watch ends before the stop begins, so it never kills a worker finishing its jobs.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +61,29 @@ ZONEQ_COMMAND = (sys.executable, "-m", "zoneq")
 
 # Attaches the core's end of a new socket pair to the intake server, under a child's name.
 Attach = Callable[[socket.socket, str], Awaitable[None]]
+
+# When the core last heard from each connected worker: PID -> a ``time.monotonic()`` reading.
+Heard = Callable[[], Mapping[int, float]]
+
+WATCH_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class Watch:
+    """How a hung worker is told from a live one: ``heard`` (the IPC server's), and how long
+    a worker may be silent once it has said hello (``silence``) or before (``starting``,
+    counted from its start), in seconds."""
+
+    heard: Heard
+    silence: float = 60.0
+    starting: float = 120.0
+
+    def overdue(self, started: float, heard: float | None, now: float) -> float | None:
+        """How long a worker started at ``started`` and last heard from at ``heard`` (None:
+        never) has been silent at ``now``, if that is past its allowance; else None."""
+        since, allowed = (started, self.starting) if heard is None else (heard, self.silence)
+        silent = now - since
+        return silent if silent > allowed else None
 
 
 @dataclass(frozen=True)
@@ -80,6 +112,8 @@ class _Slot:
     process: asyncio.subprocess.Process | None = None
     delay: float = 0.0  # before the current start: none for the first one
     started: float = 0.0
+    heard: float | None = None  # last heard from by the core (``Watch``), this start
+    killed: bool = False  # by the watch, this start
     restarts: int = 0
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -112,10 +146,12 @@ class Supervisor:
         config_text: str | None = None,
         backoff: Backoff = Backoff(),
         command: Sequence[str] = ZONEQ_COMMAND,
+        watch: Watch | None = None,
     ) -> None:
         """``config_text``: the text the core loaded from ``config_path`` (the embedded
         default if None), handed to every child; without it each child reads
-        ``config_path`` when it starts.  ``command`` runs zoneq."""
+        ``config_path`` when it starts.  ``command`` runs zoneq.  ``watch``: kill workers
+        that fall silent (none are watched without it)."""
         self._slots = [
             _Slot("worker", f"{zone}-{n}", ["--zone", zone, "--name", f"{zone}-{n}"])
             for zone, count in sorted(workers.items())
@@ -128,6 +164,8 @@ class Supervisor:
         self._zoneq = tuple(command)
         self._stopping = False
         self._sockets: _Sockets | None = None
+        self._liveness = watch
+        self._liveness_task: asyncio.Task[None] | None = None
 
     @classmethod
     def receivers(
@@ -170,6 +208,8 @@ class Supervisor:
         for slot in self._slots:
             await self._spawn(slot)
             slot.task = asyncio.create_task(self._watch(slot))
+        if self._liveness is not None:
+            self._liveness_task = asyncio.create_task(self._watch_silence(self._liveness))
 
     async def _spawn(self, slot: _Slot) -> None:
         if self._sockets is None:
@@ -186,6 +226,7 @@ class Supervisor:
                 # when the child dies.
                 child_end.close()
         slot.started = time.monotonic()
+        slot.heard, slot.killed = None, False
         log.info("%s %s started (pid %d)", slot.kind, slot.name, slot.process.pid)
 
     async def _exec(
@@ -228,6 +269,52 @@ class Supervisor:
             slot.restarts += 1
             await self._spawn(slot)
 
+    async def _watch_silence(self, watch: Watch) -> None:
+        """Once a second, kill the workers that have been silent too long."""
+        ticked = time.monotonic()
+        while not self._stopping:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            now = time.monotonic()
+            late = now - ticked > 2 * WATCH_INTERVAL_S
+            ticked = now
+            if late:
+                # This process was not running either (its event loop blocked, the machine
+                # overloaded): what the workers sent meanwhile is still unread, so their
+                # silence cannot be judged before the readers have had their turn.
+                continue
+            heard = watch.heard()
+            for slot in self._slots:
+                self._judge(slot, watch, heard, now)
+
+    def _judge(self, slot: _Slot, watch: Watch, heard: Mapping[int, float], now: float) -> None:
+        process = slot.process
+        if process is None or process.returncode is not None or slot.killed:
+            return
+        # A connection that ended (the worker exiting) leaves its last time here.
+        slot.heard = heard.get(process.pid, slot.heard)
+        silent = watch.overdue(slot.started, slot.heard, now)
+        if silent is None:
+            return
+        if slot.heard is None:
+            log.warning(
+                "%s %s (pid %d) has not connected %.1f s after its start: killing it",
+                slot.kind,
+                slot.name,
+                process.pid,
+                silent,
+            )
+        else:
+            log.warning(
+                "%s %s (pid %d) silent for %.1f s, hung: killing it (leases back to ready)",
+                slot.kind,
+                slot.name,
+                process.pid,
+                silent,
+            )
+        slot.killed = True
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()  # by PID, a child of ours; _watch reaps and restarts it
+
     def pids(self) -> dict[str, int]:
         return {s.name: s.process.pid for s in self._slots if s.process is not None}
 
@@ -236,6 +323,9 @@ class Supervisor:
 
     async def stop(self) -> None:
         self._stopping = True
+        if self._liveness_task is not None:
+            # First: a worker finishing its jobs after SIGTERM must not be taken for hung.
+            self._liveness_task.cancel()
         running = [s.process for s in self._slots if s.process and s.process.returncode is None]
         for process in running:
             with contextlib.suppress(ProcessLookupError):

@@ -53,7 +53,8 @@ class CountingHandler(QueueHandler):
 
     async def report(self, conn: ConnectionInfo, msg: Report) -> ReportReply:
         reply = await super().report(conn, msg)
-        if conn.zone == "default":
+        # An empty report is a heartbeat (a worker idle for 2 s), not a job's report.
+        if conn.zone == "default" and msg.results:
             self.calls["report"] += 1
             self.jobs_with_reports += len(reply.jobs)
         return reply

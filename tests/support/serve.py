@@ -330,11 +330,12 @@ def _ipc_socket(config: Path) -> Path:
     return Path(match.group(1))
 
 
-def start_serve(config: Path, log: Path) -> Serve:
-    """Start ``zoneq serve --config config`` (not waiting for it) with its output in ``log``."""
+def start_serve(config: Path, log: Path, python_args: tuple[str, ...] = ("-m", "zoneq")) -> Serve:
+    """Start ``zoneq serve --config config`` (not waiting for it) with its output in ``log``;
+    ``python_args`` run zoneq's main another way (``-c`` with code that changes a constant)."""
     with log.open("ab") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "zoneq", "serve", "--config", str(config)],
+            [sys.executable, *python_args, "serve", "--config", str(config)],
             cwd=ROOT,
             stdin=subprocess.DEVNULL,
             stdout=out,

@@ -17,6 +17,12 @@ closed since (``closed``, ``transport/cache.py``), and the core may ask for some
 closed (``close`` in its replies).  A kept connection closed for idling, or at the core's
 request, is reported at once in a report of its own, since a job may be waiting for its
 slot; one taken up under another slot rides with the next job's report.
+
+A worker the core has not heard from for a minute is taken for hung and killed, its leases
+going back to ready (``supervisor.py``).  Its loops may all be busy for longer than that (a
+slow MX may take 10 minutes to answer the final dot, RFC 5321 4.5.3.2.6), so a worker that
+has written nothing to the core for ``HEARTBEAT_S`` sends an empty report: as long as its
+event loop runs, the core hears from it.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ log = logging.getLogger("zoneq.worker")
 
 LEASE_WAIT_MS = 5_000
 PRUNE_INTERVAL_S = 1.0
+# Well under the core's deadline for a silent worker (60 s, ``runtime.WORKER_SILENCE_S``),
+# so a loaded machine delaying a few ticks does not get a live worker killed.
+HEARTBEAT_S = 2.0
 
 
 def settings_for(config: Config, zone: str) -> Settings:
@@ -154,7 +163,8 @@ class Worker:
     async def _tend(self) -> None:
         """QUIT kept connections that have idled too long (RFC 5321 4.1.1.10: say goodbye),
         and tell the core at once of the slots closes free; and tell it the count of MX
-        addresses the dead-host cache rests whenever that changes (for ``/metrics``).
+        addresses the dead-host cache rests whenever that changes (for ``/metrics``), or
+        after ``HEARTBEAT_S`` with nothing sent, so the core knows this worker is alive.
 
         The count is taken here, once a tick, not with every delivery report: it is a scan
         of the cache, and a dead period ends on its own with no delivery to notice it.
@@ -166,7 +176,8 @@ class Worker:
             cache.prune()
             dead = self._dead_hosts.resting()
             urgent = cache.urgent.is_set()
-            if not urgent and dead == self._dead_hosts_told:
+            quiet = self._client.quiet_s() >= HEARTBEAT_S
+            if not urgent and dead == self._dead_hosts_told and not quiet:
                 continue
             closed = cache.released() if urgent else ()
             try:

@@ -20,6 +20,9 @@ are given back straight away (a ``Report`` with outcome ``RETURNED``) instead of
 leased until the connection ends.
 
 Requests written in the same turn of the event loop leave in one write (``batching.py``).
+``quiet_s`` says how long ago the last one was written: a worker with nothing to say for a
+while sends an empty ``Report`` instead, so the core can tell it from a hung one
+(``supervisor.py``).
 
 ``iter_body`` streams a job's body chunk by chunk, fetching the next chunk while the caller
 sends the current one, so at most two chunks of a message are held at a time.
@@ -31,6 +34,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Final, overload
@@ -94,6 +98,7 @@ class IpcClient:
         self._background: set[asyncio.Task[None]] = set()
         # Why the connection ended; None while it is up.
         self._lost: str | None = None
+        self._sent_at = time.monotonic()
         self._reader_task = asyncio.create_task(self._read_loop())
         self.welcome: Welcome | None = None
 
@@ -121,6 +126,11 @@ class IpcClient:
     @property
     def closed(self) -> bool:
         return self._lost is not None
+
+    def quiet_s(self) -> float:
+        """Seconds since the last request was written (since the connection opened if none
+        was)."""
+        return time.monotonic() - self._sent_at
 
     async def close(self) -> None:
         """End the connection; outstanding requests fail with ``ConnectionLost``."""
@@ -162,6 +172,7 @@ class IpcClient:
         self._pending[req_id] = future
         try:
             self._out.write(frame)
+            self._sent_at = time.monotonic()
             await self._writer.drain()
             reply = await future
         except ConnectionError as exc:

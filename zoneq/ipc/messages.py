@@ -48,6 +48,11 @@ empty ``results``, as for closed slots).  Optional on the wire: absent (an older
 a report that does not say) leaves the core's last value as it was, and an older core
 ignores it.
 
+Liveness: a worker that has written nothing for a few seconds sends an empty ``Report``
+(``delivery/worker.py``), so the core hears from every live worker; one it has not heard
+from for a minute is taken for hung and killed (``supervisor.py``).  No new field: an
+older core answers it as any report.
+
 Bodies are maps with the field names of the dataclasses, so a capture is readable without
 this module.  Decoding validates every field's type and names the field (as a path such as
 ``lease.jobs[2].recipients[0].token``) in the ``ProtocolError`` it raises; no ``KeyError``

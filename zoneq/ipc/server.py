@@ -37,6 +37,13 @@ its writing half: a crashed worker looks just the same, and its long-polling lea
 must not go on granting it mail.  A refused ``Hello`` (an error from the handler, another
 protocol version) is answered and then the connection is closed too: it could do nothing
 else.
+
+A worker that hangs (SIGSTOP, a blocked event loop) keeps its connection open and so its
+leases, so ``heard`` tells the supervisor when each helloed worker was last heard from, by
+PID: the time its last bytes were read.  A live worker writes at least every few seconds
+(``delivery/worker.py``).  While a connection's reader is held back by ``max_in_flight``
+the worker counts as heard now, and its silence counts again when the reader resumes: it is
+the core that stopped listening, not the worker talking.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ import logging
 import os
 import socket
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Protocol
@@ -146,12 +154,23 @@ class IpcServer:
         self._server: asyncio.Server | None = None
         self._inode: int | None = None
         self._serials = itertools.count(1)
-        self._connections: set[asyncio.Task[None]] = set()
+        self._connections: dict[asyncio.Task[None], _Connection] = {}
         self._closing = False
 
     @property
     def connection_count(self) -> int:
         return len(self._connections)
+
+    def heard(self) -> dict[int, float]:
+        """When each worker with a helloed connection was last heard from (its PID, a
+        ``time.monotonic()`` reading)."""
+        now = time.monotonic()
+        heard: dict[int, float] = {}
+        for connection in self._connections.values():
+            pid = connection.info.pid
+            if pid is not None:
+                heard[pid] = max(heard.get(pid, 0.0), connection.heard(now))
+        return heard
 
     async def start(self) -> None:
         if self._server is not None:
@@ -204,7 +223,6 @@ class IpcServer:
         if self._closing:
             writer.close()
             return
-        self._connections.add(task)
         connection = _Connection(
             self._handler,
             reader,
@@ -213,10 +231,11 @@ class IpcServer:
             max_frame=self._max_frame,
             max_in_flight=self._max_in_flight,
         )
+        self._connections[task] = connection
         try:
             await connection.run()
         finally:
-            self._connections.discard(task)
+            del self._connections[task]
 
 
 class _Connection:
@@ -241,6 +260,17 @@ class _Connection:
         self._helloed = False
         self._slots = asyncio.Semaphore(max_in_flight)
         self._running: dict[int, asyncio.Task[None]] = {}
+        self._heard = time.monotonic()
+        self._held_back = False  # the reader waits for a request slot
+
+    @property
+    def info(self) -> ConnectionInfo:
+        return self._info
+
+    def heard(self, now: float) -> float:
+        """When the peer was last heard from; ``now`` while the reader is held back, since
+        it is the core that is not listening then."""
+        return now if self._held_back else self._heard
 
     async def run(self) -> None:
         try:
@@ -265,6 +295,7 @@ class _Connection:
             data = await self._reader.read(_READ_SIZE)
             if not data:
                 return
+            self._heard = time.monotonic()
             for obj in decoder.feed(data):
                 await self._dispatch(obj)
 
@@ -285,9 +316,21 @@ class _Connection:
         if isinstance(request, Hello):
             await self._hello(envelope.id, request)
             return
-        await self._slots.acquire()
+        await self._acquire_slot()
         task = asyncio.create_task(self._answer(envelope.id, request))
         self._running[envelope.id] = task
+
+    async def _acquire_slot(self) -> None:
+        if not self._slots.locked():
+            await self._slots.acquire()
+            return
+        self._held_back = True
+        try:
+            await self._slots.acquire()
+        finally:
+            self._held_back = False
+            # The peer's silence counts again from now: what it sent meanwhile is unread.
+            self._heard = time.monotonic()
 
     async def _hello(self, req_id: int, msg: Hello) -> None:
         info = ConnectionInfo(
