@@ -1,26 +1,35 @@
 """Turning failed recipients into the DSN the envelope sender gets (RFC 3464).
 
-One notice per message and report, listing every recipient that failed (or, for delay
-notices, was delayed) in it, queued in the bounce zone with the null reverse-path (RFC 5321
-section 4.5.5), so it can never itself be bounced.  No notice goes to ``<>`` or for
-NOTIFY=NEVER (``should_send_dsn``).  The original comes back whole only when the sender
-asked for RET=FULL and it is small; otherwise its header section alone (RFC 3461 section
-4.3 lets the MTA choose).  The notice is queued with the BODY=8BITMIME and SMTPUTF8 flags
-its content needs (``transport_needs``).
+One failure notice per message, listing every recipient of it that failed close together
+(RFC 3464 allows any number of per-recipient blocks), as Postfix sends one per queue file:
+a bulk message refused at one domain in 200 jobs of 50, or failing at three domains, gives
+its sender one DSN.  Each failure leaves the queue with a durable record that its notice
+is owed (``zoneq/storage/owed.py``); ``OwedNotices`` composes a message's records into
+one DSN once none of its recipients is ready or in flight, or ``OWED_WAIT_S`` after it
+first saw one (a slow or paused domain must not hold the others' notice back for long),
+and at start-up whatever a stop left owed.  Delay and "relayed" notices are still one
+per message and worker report (``QueueService``): each is owed once per recipient and
+written with the flag that says so.
 
-Known limit: "per report" is per job, that is per message *and destination domain*.  A
-message whose recipients at three domains all fail gets three notices, one per domain's
-job, where Postfix sends one per queue file.  Merging them would mean holding failures
-back until every other job of the message has reported; zoneq does not.
+Every notice is queued in the bounce zone with the null reverse-path (RFC 5321 section
+4.5.5), so it can never itself be bounced.  No notice goes to ``<>`` or for NOTIFY=NEVER
+(``should_send_dsn``).  The original comes back whole only when the sender asked for
+RET=FULL and it is small; otherwise its header section alone (RFC 3461 section 4.3 lets
+the MTA choose).  The notice is queued with the BODY=8BITMIME and SMTPUTF8 flags its
+content needs (``transport_needs``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
 
+from zoneq.errors import NotFound, StorageCorruption
 from zoneq.protocol.dsn import (
     Action,
     DsnRequest,
@@ -31,12 +40,19 @@ from zoneq.protocol.dsn import (
 )
 from zoneq.protocol.dsn import should_send_dsn as _should_send
 from zoneq.protocol.ids import format_id, id_time_ms
-from zoneq.storage.records import MessageMeta, NewRecipient, Notice, Recipient
+from zoneq.storage.owed import OwedFailure, OwedNotice
+from zoneq.storage.records import MessageMeta, NewRecipient, Notice, Recipient, recipient_domain
+from zoneq.storage.store import QueueStore
+
+log = logging.getLogger("zoneq.queue")
 
 # Originals up to this size are returned whole for RET=FULL; larger ones as headers only.
 FULL_RETURN_LIMIT: Final = 256 * 1024
 # The header section is looked for within this many bytes of the body's start.
 HEADER_LIMIT: Final = 256 * 1024
+# How long a message's failures may wait for its other recipients still being tried before
+# they are told anyway: a slow, paused or resting domain must not hold the notice for long.
+OWED_WAIT_S: Final = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +65,7 @@ class Failure:
     remote_mta: str | None
     action: Action = Action.FAILED
     will_retry_until_ms: int | None = None  # for Action.DELAYED (RFC 3464 section 2.3.9)
+    failed_ms: int | None = None  # its Last-Attempt-Date (section 2.3.7); None: the notice's
 
 
 def default_bounce_from(reporting_mta: str) -> str:
@@ -121,7 +138,9 @@ def compose(
                 original_recipient=f.recipient.orcpt,
                 diagnostic=f.diagnostic,
                 remote_mta=f.remote_mta,
-                last_attempt=now,
+                last_attempt=(
+                    now if f.failed_ms is None else datetime.fromtimestamp(f.failed_ms / 1000, UTC)
+                ),
                 will_retry_until=(
                     datetime.fromtimestamp(f.will_retry_until_ms / 1000, UTC)
                     if f.will_retry_until_ms is not None
@@ -152,3 +171,115 @@ def compose(
         is_bounce=True,
     )
     return Notice(notice_meta, (NewRecipient(meta.sender, bounce_zone),), notice)
+
+
+def owed_failure(failure: Failure, now_ms: int) -> OwedFailure:
+    """The record that ``failure`` is owed a notice (``zoneq/storage/owed.py``)."""
+    recipient = failure.recipient
+    return OwedFailure(
+        recipient.zone,
+        recipient.address,
+        failure.status,
+        failure.diagnostic,
+        failure.remote_mta,
+        now_ms,
+        recipient.orcpt,
+    )
+
+
+def failure_of(msg_id: int, owed: OwedFailure) -> Failure:
+    """The failure an owed record names.  Only failures owed a notice are recorded, so its
+    NOTIFY is not kept: the default (RFC 3461 section 4.1) tells of a failure."""
+    recipient = Recipient(
+        owed.zone, msg_id, owed.address, recipient_domain(owed.address), orcpt=owed.orcpt
+    )
+    return Failure(
+        recipient, owed.status, owed.diagnostic, owed.remote_mta, failed_ms=owed.failed_ms
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class NoticeSettings:
+    """Where notices come from and go (``[server]`` and ``[routing]``)."""
+
+    reporting_mta: str
+    bounce_zone: str
+    bounce_from: str | None = None
+
+
+class OwedNotices:
+    """Composes each message's owed failures into its one DSN (see the top of the module).
+
+    Composing reads the records and stages the batch that queues the DSN and deletes them
+    with no ``await`` in between, so a record is never listed twice."""
+
+    def __init__(
+        self,
+        store: QueueStore,
+        settings: NoticeSettings,
+        *,
+        wait_s: float = OWED_WAIT_S,
+    ) -> None:
+        self._store = store
+        self._settings = settings
+        self._wait_s = wait_s
+        self._since: dict[int, float] = {}  # msg_id -> when its failures were first seen
+
+    async def settle(
+        self, now_ms: int, *, among: Collection[int] | None = None, every: bool = False
+    ) -> int:
+        """Queue the notices owed now, of the messages ``among`` (None: all), or all of
+        them at once with ``every`` (as at start-up); how many messages were settled.
+        Raises ``StorageUnavailable`` if the store cannot write."""
+        owing = self._store.owed_messages()
+        still = set(owing)
+        self._since = {m: t for m, t in self._since.items() if m in still}
+        landing: list[Awaitable[None]] = []
+        for msg_id in owing if among is None else sorted(still.intersection(among)):
+            if not every and self._waiting(msg_id):
+                continue
+            owed = self._store.owed(msg_id)
+            if owed is None:
+                continue  # its records are still on their way to disk
+            landing.append(self._store.settle_owed(owed, self._compose(owed, now_ms), now_ms))
+            self._since.pop(msg_id, None)
+        await asyncio.gather(*landing)
+        return len(landing)
+
+    def _waiting(self, msg_id: int) -> bool:
+        """Whether the message's notice waits for recipients of it still ready or in flight
+        (but never more than ``wait_s`` since its failures were first seen here)."""
+        now = time.monotonic()
+        if now >= self._since.setdefault(msg_id, now) + self._wait_s:
+            return False
+        try:
+            meta = self._store.message(msg_id)
+        except (NotFound, StorageCorruption):
+            return False  # gone with its last recipient (or damaged): nothing to wait for
+        return self._store.has_ready(msg_id, meta.zones)
+
+    def _compose(self, owed: OwedNotice, now_ms: int) -> Notice | None:
+        original = owed.original
+        if original is None:
+            log.error(
+                "message %s: %d failure(s) not told, the notice's original is lost",
+                format_id(owed.msg_id),
+                len(owed.failures),
+            )
+            return None
+        try:
+            return compose(
+                original.meta,
+                [failure_of(owed.msg_id, f) for f in owed.failures],
+                original_start=original.start,
+                original_full=original.full,
+                reporting_mta=self._settings.reporting_mta,
+                bounce_zone=self._settings.bounce_zone,
+                now_ms=now_ms,
+                bounce_from=self._settings.bounce_from,
+            )
+        except ValueError:
+            # A record no DSN can carry (``build_dsn`` refuses it) must not wedge every
+            # later notice behind it: it is dropped, loudly.
+            log.exception("message %s: its owed notice cannot be built", format_id(owed.msg_id))
+            return None

@@ -24,7 +24,9 @@ idle ones included, while connections are still reused (issue 3).
 
 Outcomes: DELIVERED completes the recipient; RETURNED gives it back untried; DEFERRED waits
 for the zone's retry schedule, or expires into a bounce once the schedule gives up;
-BOUNCED removes it with a DSN (``bounces.py``) queued in the bounce zone in the same batch.
+BOUNCED removes it with the record that it is owed a DSN, in the same batch; the DSN
+(``bounces.py``), one per message whatever the jobs it failed in, is queued in the bounce
+zone once the message's other recipients in this round are done (``_settle_owed``).
 A delivery the worker marks ``relayed`` (NOTIFY=SUCCESS, and the server did not offer DSN)
 completes with a "relayed" notice queued the same way (RFC 3461 section 5.2.2).
 
@@ -47,7 +49,15 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Container, Iterable, Iterator, Sequence
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Collection,
+    Container,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from dataclasses import dataclass, field, replace
 from typing import Final, NamedTuple
 
@@ -67,9 +77,21 @@ from zoneq.protocol.ids import format_id, id_time_ms
 from zoneq.protocol.replies import DAMAGED_BODY, EnhancedStatus, Reply, reply_from_text
 from zoneq.protocol.reply_rules import ReplyAction, rule_report
 from zoneq.protocol.retry import RetrySchedule
-from zoneq.queue.bounces import FULL_RETURN_LIMIT, HEADER_LIMIT, Failure, any_wanted, compose
+from zoneq.queue.bounces import (
+    FULL_RETURN_LIMIT,
+    HEADER_LIMIT,
+    OWED_WAIT_S,
+    Failure,
+    NoticeSettings,
+    OwedNotices,
+    any_wanted,
+    compose,
+    owed_failure,
+    wants_notice,
+)
 from zoneq.queue.feedback import DomainFeedback
 from zoneq.queue.scheduler import DomainSlots, Filling, JobQueue, Planned, RateLimiter
+from zoneq.storage.owed import Owed, OwedOriginal
 from zoneq.storage.records import MessageMeta, Notice, Recipient
 from zoneq.storage.store import Lease, Outcome, QueueStore
 
@@ -168,8 +190,8 @@ class HoldCount:
 
 @dataclass(slots=True)
 class _SharedNotice:
-    """One notice for a report's failures of one message: a delay notice for its deferrals
-    (``_defer_listed``) or a DSN for its bounces (``_bounce_listed``).
+    """One notice for a report's recipients of one message: a delay notice for its
+    deferrals (``_defer_listed``) or a "relayed" notice for its deliveries (``_relay``).
 
     It rides with the first write whose lease the store still holds when that write is
     made.  One revoked meanwhile (an administrator deleted that recipient) is refused, and
@@ -296,6 +318,7 @@ class QueueService:
         max_recipients: int = 50,
         filling: int = DEFAULT_FILLING,
         filling_wait_s: float = FILL_WAIT_S,
+        owed_wait_s: float = OWED_WAIT_S,
         plugins: PluginHost | None = None,
     ) -> None:
         self._store = store
@@ -319,6 +342,8 @@ class QueueService:
         # Zones an administrator's hold is walking (``holding``), by how many holds walk it:
         # lease() hands out nothing of these, nor of the paused ones.
         self._holding: Counter[str] = Counter()
+        settings = NoticeSettings(hostname, config.routing.bounce_zone, config.server.bounce_from)
+        self._owed = OwedNotices(store, settings, wait_s=owed_wait_s)
 
     @classmethod
     def from_config(
@@ -743,11 +768,27 @@ class QueueService:
             )
             for msg_id, group in damaged.items()
         ]
-        done = await asyncio.gather(asyncio.gather(*work), *held)
+        done = await self._written(work, held, now, owed=failures.keys())
         accepted = [token for tokens in done for token in tokens if token is not None]
         refused.extend(item.token for item in outcomes if item.token not in accepted)
         self._tell_plugins(told, accepted)
         return accepted, sorted(set(refused))
+
+    async def _written(
+        self,
+        work: list[Awaitable[int | None]],
+        held: Sequence[Awaitable[list[int | None]]],
+        now: int,
+        *,
+        owed: Collection[int],
+    ) -> list[list[int | None]]:
+        """A report's writes, done; then the failure notices they made owed (for the
+        messages ``owed``) are queued, unless more of a message is still being tried
+        (``_settle_owed``; ``run`` looks at them all every round)."""
+        done = await asyncio.gather(asyncio.gather(*work), *held)
+        if owed:
+            await self._settle_owed(now, among=owed)
+        return done
 
     def _claim(
         self, owner: str, reported: RecipientOutcome, kept: Container[int] = ()
@@ -886,7 +927,7 @@ class QueueService:
         if not listed:
             return None
         try:
-            return self._notice(self._store.message(msg_id), listed, now, full=False)
+            return self._notice(self._store.message(msg_id), listed, now)
         except (NotFound, StorageCorruption, StorageUnavailable) as exc:
             log.warning("message %s: no notice now: %s", format_id(msg_id), exc, extra=REPEATS)
             return None
@@ -934,14 +975,13 @@ class QueueService:
     def _bounce(
         self, msg_id: int, group: list[tuple[int, Lease, Failure, Outcome, bool]], now: int
     ) -> list[Awaitable[int | None]]:
-        """Bounce every recipient of one message in ``group``, with one DSN for all of them
-        but those already deleted (``_listed``); it rides with the first whose bounce is
-        written (``_bounce_listed``)."""
-        notice: Notice | None = None
-        listed = self._listed((lease, failure) for _, lease, failure, _, _ in group)
+        """Bounce every recipient of one message in ``group``, each with the record that its
+        failure is owed a notice, if it is (``bounces.py`` composes one DSN per message).
+        One an administrator deleted while it was on the wire has its bounce refused, and
+        is not told: a delete is silent, as Postfix's ``postsuper -d`` is."""
+        meta: MessageMeta | None = None
         try:
-            if listed:  # (all deleted: every bounce is refused, and nobody is owed a DSN)
-                notice = self._notice(self._store.message(msg_id), listed, now)
+            meta = self._store.message(msg_id)
         except NotFound:
             log.warning("message %x vanished before its bounce could be written", msg_id)
         except StorageCorruption:
@@ -949,9 +989,9 @@ class QueueService:
             # outcome recorded), only the DSN cannot be composed without the metadata.
             log.error("message %x: no DSN, its metadata is corrupt", msg_id)
         except StorageUnavailable as exc:
-            # The database is closed (a reopen failed): no DSN can be composed, and a
-            # bounce without one would lose it.  The reports are refused and the
-            # recipients ready again, to be tried (and bounced) once it is back.
+            # The database is closed (a reopen failed): whether a DSN is owed cannot be
+            # told, and a bounce without its record would lose it.  The reports are refused
+            # and the recipients ready again, to be tried (and bounced) once it is back.
             log.warning(
                 "message %x: bounce not written, queue storage unavailable: %s", msg_id, exc
             )
@@ -959,19 +999,44 @@ class QueueService:
                 with contextlib.suppress(LeaseError):
                     self._store.release(lease)
             return []
-        shared = _SharedNotice(notice) if notice is not None else None
         return [
-            _guarded(token, self._bounce_listed(lease, now, outcome, expired, shared))
-            for token, lease, _, outcome, expired in group
+            _guarded(
+                token,
+                self._store.bounce(
+                    lease, now, outcome, expired=expired, owed=self._owed_by(meta, failure, now)
+                ),
+            )
+            for token, lease, failure, outcome, expired in group
         ]
 
-    async def _bounce_listed(
-        self, lease: Lease, now: int, outcome: Outcome, expired: bool, shared: _SharedNotice | None
+    def _owed_by(self, meta: MessageMeta | None, failure: Failure, now: int) -> Owed | None:
+        """The record that ``failure`` is owed a notice; None if it is not (or, without the
+        message's metadata, cannot be told)."""
+        if meta is None or not wants_notice(meta, failure):
+            return None
+        return Owed(owed_failure(failure, now), lambda: self._owed_original(meta))
+
+    def _owed_original(self, meta: MessageMeta) -> OwedOriginal:
+        """What the notice owed for ``meta``'s message returns of it, read as its first
+        owed failure is written (the message may be gone by the time it is composed).  A
+        body that cannot be read is not returned: the failures are told all the same."""
+        try:
+            whole = self._original_full(meta)
+            start = whole if whole is not None else self._original_start(meta)
+        except (NotFound, StorageCorruption, StorageUnavailable) as exc:
+            log.warning("message %s: its notice returns no text: %s", format_id(meta.msg_id), exc)
+            return OwedOriginal(meta, b"", None)
+        return OwedOriginal(meta, start, whole)
+
+    async def _settle_owed(
+        self, now: int, *, among: Collection[int] | None = None, every: bool = False
     ) -> None:
-        """Bounce one recipient of a report's group: the first whose bounce is written
-        carries the group's DSN (``_SharedNotice``), committed in the same batch."""
-        notice = shared.claim(self._store, lease) if shared is not None else None
-        await self._store.bounce(lease, now, outcome, expired=expired, notice=notice)
+        """Queue the failure notices owed now (``bounces.OwedNotices``); one the store cannot
+        write now stays owed, for the next report or ``run``'s next round."""
+        try:
+            await self._owed.settle(now, among=among, every=every)
+        except (StorageUnavailable, StorageCorruption) as exc:
+            log.warning("failure notices not queued now: %s", exc, extra=REPEATS)
 
     def _listed(self, owed: Iterable[tuple[Lease, Failure | None]]) -> list[Failure]:
         """The failures a shared notice lists: those owed one whose leases the store still
@@ -984,21 +1049,18 @@ class QueueService:
             failure for lease, failure in owed if failure is not None and self._store.holds(lease)
         ]
 
-    def _notice(
-        self, meta: MessageMeta, failures: list[Failure], now: int, *, full: bool = True
-    ) -> Notice | None:
-        """The DSN for ``failures``, or None if none is owed.  The original is read only
-        when a notice will be sent: a ``<>`` sender or NOTIFY=NEVER costs no read of up to
-        ``FULL_RETURN_LIMIT`` on the event loop.  ``full=False``: headers only (a delay
-        notice)."""
+    def _notice(self, meta: MessageMeta, failures: list[Failure], now: int) -> Notice | None:
+        """The notice for ``failures`` (delays, or deliveries relayed), or None if none is
+        owed; it returns the original's header section alone, as RFC 3461 section 4.3 has
+        a notice that reports no failure do.  The original is read only when a notice will
+        be sent: a ``<>`` sender or NOTIFY=NEVER costs no read."""
         if not any_wanted(meta, failures):
             return None
-        whole = self._original_full(meta) if full else None
         return compose(
             meta,
             failures,
-            original_start=whole if whole is not None else self._original_start(meta),
-            original_full=whole,
+            original_start=self._original_start(meta),
+            original_full=None,
             reporting_mta=self._hostname,
             bounce_zone=self._config.routing.bounce_zone,
             now_ms=now,
@@ -1178,7 +1240,9 @@ class QueueService:
         return moved
 
     async def run(self, stop: asyncio.Event, interval_s: float = 1.0) -> None:
-        """Promote due recipients until ``stop`` is set."""
+        """Promote due recipients, and queue the failure notices owed, until ``stop`` is set.
+        Those a stop (or a crash) left owed are queued first, whatever else is under way."""
+        await self._settle_owed(self._clock(), every=True)
         while not stop.is_set():
             try:
                 await self.promote_due()
@@ -1188,6 +1252,7 @@ class QueueService:
                 log.warning(
                     "due recipients not promoted, queue storage unavailable: %s", exc, extra=REPEATS
                 )
+            await self._settle_owed(self._clock())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)
 

@@ -35,6 +35,8 @@ Families (ARCHITECTURE.md section 3, with the recipient record split by state, s
     deferred <zone> <id:u64> <rcpt>        recipient waiting for its next attempt
     due <zone> <ms:u64> <id:u64> <rcpt>    deferred index, ordered by next-attempt time
     held <zone> <id:u64> <rcpt>            recipient on hold by an administrator
+    owed <id:u64> '*'                      a failure notice owed: the original's part it returns
+    owed <id:u64> 'r' <zone> <rcpt>        a failed recipient that notice will list (``owed.py``)
     event <event-id:u64>                   delivery event (time-ordered id, as message ids)
     counter <name> <zone> <sub>            persisted O(1) counter (u64 value)
     meta <name>                            store-wide values (schema version, ...)
@@ -79,6 +81,7 @@ READY: Final = _family("delivery-zone")
 DEFERRED: Final = _family("deferred")
 DUE: Final = _family("due")
 HELD: Final = _family("held")
+OWED: Final = _family("owed")
 EVENT: Final = _family("event")
 COUNTER: Final = _family("counter")
 META: Final = _family("meta")
@@ -89,6 +92,7 @@ RECORD_FAMILIES: Final = (READY, DEFERRED, HELD)
 HEAD_PART: Final = b"#"
 META_PART: Final = b"*"
 CHUNK_PART: Final = b"c"
+OWED_FAILURE_PART: Final = b"r"
 
 
 def message_prefix(msg_id: int) -> bytes:
@@ -109,6 +113,18 @@ def message_chunk(msg_id: int, index: int) -> bytes:
 
 def chunk_prefix(msg_id: int) -> bytes:
     return MESSAGE + _U64.pack(msg_id) + CHUNK_PART
+
+
+def owed_prefix(msg_id: int) -> bytes:
+    return OWED + _U64.pack(msg_id)
+
+
+def owed_original(msg_id: int) -> bytes:
+    return OWED + _U64.pack(msg_id) + META_PART
+
+
+def owed_failure(msg_id: int, zone: str, rcpt: str) -> bytes:
+    return OWED + _U64.pack(msg_id) + OWED_FAILURE_PART + text(zone) + text(rcpt)
 
 
 def receiving(msg_id: int) -> bytes:
@@ -199,6 +215,12 @@ def decode_message_key(key: bytes) -> tuple[int, bytes, int | None]:
         (index,) = _U32.unpack_from(key, len(MESSAGE) + 9)
         return msg_id, part, index
     return msg_id, part, None
+
+
+def decode_owed(key: bytes) -> int:
+    """The message id of an OWED key."""
+    (msg_id,) = _U64.unpack_from(key, len(OWED))
+    return int(msg_id)
 
 
 def decode_receiving(key: bytes) -> int:

@@ -60,6 +60,7 @@ from zoneq.storage.held import Held, HeldMixin, notice_size
 from zoneq.storage.holdmarks import unmark
 from zoneq.storage.leveldb import Database, Op
 from zoneq.storage.maintenance import MaintenanceMixin
+from zoneq.storage.owed import Owed, OwedMixin
 from zoneq.storage.records import (
     MessageMeta,
     NewRecipient,
@@ -96,7 +97,7 @@ class DroppedRecipient:
     reason: str
 
 
-class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
+class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin, OwedMixin):
     """The LevelDB queue of one zoneq node.  Create with :meth:`open`, then :meth:`recover`."""
 
     @classmethod
@@ -553,16 +554,19 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
         *,
         expired: bool = False,
         notice: Notice | None = None,
+        owed: Owed | None = None,
     ) -> None:
         """A permanent failure (or give-up): the recipient leaves the queue.
 
-        ``notice`` is the DSN to queue; it is committed in the same batch as the bounce, so
-        a crash can neither lose the DSN nor queue it twice.
+        ``notice`` is the DSN to queue, or ``owed`` the record that one is owed, which the
+        queue service composes with the message's other failures (``owed.py``); either is
+        committed in the same batch as the bounce, so a crash can neither lose the DSN nor
+        queue it twice.
         """
         replay = functools.partial(
-            self.bounce, lease, now_ms, outcome, expired=expired, notice=notice
+            self.bounce, lease, now_ms, outcome, expired=expired, notice=notice, owed=owed
         )
-        held = Held(lease, replay, notice_size(notice))
+        held = Held(lease, replay, notice_size(notice) + (owed.size if owed else 0))
         if self._hold_if_failed(held):
             return
         self._ended(lease)  # a stale lease is refused before anything else is looked at
@@ -583,7 +587,10 @@ class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin):
             notice_ops, ready = self._notice_ops(notice, now_ms)
             ops.extend(notice_ops)
             effect = self._readied(ready)
-        await self._write_outcome(held, ops, sync=notice is not None, effect=effect)
+        if owed is not None:
+            ops.extend(self._owed_ops(record.msg_id, owed))
+        durable = notice is not None or owed is not None
+        await self._write_outcome(held, ops, sync=durable, effect=effect)
 
     def _outcome_head(self, lease: Lease) -> tuple[int, int] | None:
         """The head of the message a final outcome is about, or None if it is missing or
