@@ -8,6 +8,7 @@ on 127.0.0.0/8 only.  pytest-asyncio is not installed: async bodies run under as
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import socket
 import ssl
@@ -105,7 +106,6 @@ def test_default_timeouts_are_rfc5321_section_4_5_3_2() -> None:
     [
         {"helo_name": "two words"},
         {"recipients": [Recipient("a@x", notify=frozenset({Notify.NEVER, Notify.SUCCESS}))]},
-        {"recipients": [Recipient("a@x", orcpt="no type")]},
         {"options": MailOptions(envid="has space")},
     ],
 )
@@ -195,6 +195,35 @@ def test_dsn_parameters_reach_smtp_sink() -> None:
         "<a@example.net> NOTIFY=SUCCESS,FAILURE ORCPT=rfc822;A+2Bx@example.net",
         "<b@example.net> NOTIFY=NEVER",
     ]
+
+
+@pytest.mark.integration
+def test_an_orcpt_that_cannot_be_sent_is_converted_or_left_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """ORCPTs an older receiver stored: once a ValueError that deferred every recipient
+    of the job until it bounced.  ORCPT is optional information (RFC 3461 section 4.2):
+    the raw UTF-8 form is sent as utf-8-addr-xtext (RFC 6533 section 3), one that cannot
+    be sent is left out with a log line, and the message is delivered to everyone."""
+    with run_smtp_sink() as sink, caplog.at_level(logging.WARNING):
+        result = run(
+            host=sink.host,
+            port=sink.port,
+            recipients=[
+                Recipient("a@example.net", orcpt="utf-8;jörg@example.net"),
+                Recipient("b@example.net", orcpt="rfc822;b+0D+0Ax@example.net"),
+                Recipient("c@example.net"),
+            ],
+        )
+        (message,) = sink.messages(1)
+    assert [r.verdict for r in result.recipients] == [Verdict.DONE] * 3
+    assert message.rcpt_args == [
+        "<a@example.net> ORCPT=utf-8;j\\x{F6}rg@example.net",
+        "<b@example.net>",
+        "<c@example.net>",
+    ]
+    (logged,) = [r.getMessage() for r in caplog.records if "ORCPT" in r.getMessage()]
+    assert "b@example.net" in logged
 
 
 @pytest.mark.integration

@@ -75,3 +75,43 @@ def test_the_http_api_refuses_the_same_domains(domain: str, expected: str) -> No
         assert "empty domain label" in str(error)
     else:
         assert expected == "250"
+
+
+BAD_SYNTAX = "501 5.1.3 Bad address syntax"
+
+# RFC 5321 section 4.1.2: Local-part = Dot-string / Quoted-string (RFC 6531 section 3.3
+# adds non-ASCII).  A second unquoted "@" is the old user@host@relay routing: refused, as
+# the percent hack is.
+LOCAL_PARTS = [
+    ("eve", "250"),
+    ("e.v.e", "250"),
+    ("e..ve.", "250"),  # dots in a row: the owning domain's business
+    ("jörg", "250"),
+    ('"e v e"', "250"),
+    ('"e@ve"', "250"),  # quoted, "@" is only text
+    ('"e\\"ve"', "250"),
+    ("v9@elsewhere.test", BAD_SYNTAX),
+    ("w9@", BAD_SYNTAX),
+    ("e ve", BAD_SYNTAX),
+    ('"e"v"e"', BAD_SYNTAX),  # not one quoted-string
+    ("e(ve)", BAD_SYNTAX),
+    ("e[ve]", BAD_SYNTAX),
+]
+
+
+@pytest.mark.parametrize("parse", ["MAIL", "RCPT"])
+@pytest.mark.parametrize(("local", "expected"), LOCAL_PARTS)
+def test_local_part_syntax(parse: str, local: str, expected: str) -> None:
+    assert reply_to(parse, f"{local}@ok.test") == expected
+
+
+@pytest.mark.parametrize(("local", "expected"), LOCAL_PARTS)
+def test_the_http_api_refuses_the_same_local_parts(local: str, expected: str) -> None:
+    """One check (``local_parts.is_local_part``) for both ways in, space aside: the API
+    refuses whitespace anywhere, quoted or not."""
+    try:
+        check_address(f"{local}@ok.test")
+    except Unacceptable:
+        assert expected == BAD_SYNTAX or " " in local
+    else:
+        assert expected == "250"

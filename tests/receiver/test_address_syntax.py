@@ -51,3 +51,24 @@ def test_a_refused_only_recipient_leaves_nothing_queued(tmp_path: Path) -> None:
         await nothing_left(store)
 
     run(tmp_path, body)
+
+
+@pytest.mark.parametrize("address", ["v9@elsewhere.test@ok.test", "w9@@ok.test"])
+def test_a_second_unquoted_at_is_refused_at_mail_and_rcpt(tmp_path: Path, address: str) -> None:
+    """``user@host@relay``: the old routing through a relay, refused like the percent hack
+    (RFC 5321 section 4.1.2: a local part is a Dot-string or a Quoted-string), as the HTTP
+    API refuses it.  Quoted, the "@" is only text and the mailbox is taken."""
+
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.greeted(rx.port)
+        assert await raw.cmd(f"MAIL FROM:<{address}>") == "501 5.1.3 Bad address syntax"
+        assert (await raw.cmd("MAIL FROM:<c@d.test>")).startswith("250 ")
+        assert await raw.cmd(f"RCPT TO:<{address}>") == "501 5.1.3 Bad address syntax"
+        assert (await raw.cmd('RCPT TO:<"v9@elsewhere.test"@ok.test>')).startswith("250 ")
+        assert (await raw.cmd("DATA")).startswith("354 ")
+        msg_id = queued_id(await raw.cmd(MESSAGE.decode() + "."))
+        recipients = [r.recipient.address for r in store.recipients(msg_id)]
+        assert recipients == ['"v9@elsewhere.test"@ok.test']
+        await raw.quit()
+
+    run(tmp_path, body)

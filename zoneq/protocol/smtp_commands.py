@@ -15,7 +15,11 @@ Pure: no I/O, no clock.  Values are frozen dataclasses and enums.
 Choices:
 
 * ENVID and ORCPT are kept *raw*, exactly as received (xtext), after checking that they
-  decode: the queue stores them that way and the DSN builder (``dsn``) decodes them.
+  decode to printable US-ASCII (RFC 3461 sections 4.2 and 4.4): the queue stores them that
+  way and the DSN builder (``dsn``) decodes them.  The exception is an ORCPT of the utf-8
+  addr-type (RFC 6533 section 3), stored in its 7-bit utf-8-addr-xtext form whichever form
+  came (``normal_orcpt``), so that any next hop can be sent it; the raw UTF-8 form is
+  refused without SMTPUTF8 on MAIL.
 * An unrecognised MAIL/RCPT parameter keyword is 555 5.5.4 (RFC 5321 section 4.1.1.11);
   a recognised keyword with a bad value is 501 5.5.4; BODY=BINARYMIME, a value defined by
   RFC 3030 but not offered, is 504 5.5.4 (parameter not implemented).
@@ -45,9 +49,9 @@ from typing import Final
 from zoneq.errors import ProtocolError
 from zoneq.protocol.domains import EMPTY_LABEL, has_empty_label
 from zoneq.protocol.dsn import Notify, Ret
-from zoneq.protocol.local_parts import canonical_address
+from zoneq.protocol.local_parts import canonical_address, is_local_part
 from zoneq.protocol.replies import EnhancedStatus, Reply
-from zoneq.protocol.xtext import utf8_xtext_decode, xtext_decode
+from zoneq.protocol.xtext import normal_orcpt, printable_xtext_decode, xtext_decode
 
 __all__ = [
     "BodyType",
@@ -73,9 +77,7 @@ _KEYWORD: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*")
 # RFC 5321 section 4.1.2: esmtp-value = 1*(%d33-60 / %d62-126); RFC 6531 section 3.3 adds
 # UTF-8 non-ASCII characters.
 _VALUE: Final = re.compile(r"[\x21-\x3c\x3e-\x7e\u0080-\U0010ffff]+")
-# RFC 5322 section 3.2.3 atom, for the ORCPT addr-type (RFC 3461 section 4.2).
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")  # never in an address
-_ATOM: Final = re.compile(r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+")
 # RFC 5321 section 4.1.2: A-d-l = At-domain *( "," At-domain ); At-domain = "@" Domain.
 # The domains are only checked to be printable words: the route is never followed.
 _HOP: Final = r"@[^\x00-\x20\x7f@,:<>\\\"]+"
@@ -131,7 +133,8 @@ class MailCommand:
 @dataclass(frozen=True, slots=True)
 class RcptCommand:
     """A parsed ``RCPT TO``.  ``notify`` is None without a NOTIFY parameter; ``orcpt`` is
-    the raw ``addr-type;xtext`` value (RFC 3461 section 4.2), checked but not decoded."""
+    the ``addr-type;xtext`` value (RFC 3461 section 4.2), checked, kept raw but for the
+    utf-8 addr-type's 7-bit form (``normal_orcpt``)."""
 
     recipient: str
     notify: frozenset[Notify] | None = None
@@ -212,10 +215,11 @@ def _check_mailbox(path: str, *, utf8: bool, postmaster_ok: bool = False) -> str
     local, at, domain = path.rpartition("@")
     if not at or not local or not domain:
         raise CommandError(_reply(501, "Bad address syntax", 5, 1, 3))
-    # Controls are never allowed; a space only inside a quoted local part (RFC 5321
-    # section 4.1.2 Quoted-string).  Finer syntax is left to the next hop.
-    quoted_local = len(local) >= 2 and local.startswith('"') and local.endswith('"')
-    if _CONTROL.search(path) is not None or " " in domain or (" " in local and not quoted_local):
+    # Controls are never allowed.  The local part is a Dot-string or a Quoted-string (RFC
+    # 5321 section 4.1.2), as the HTTP API's intake has it: so no space outside quotes and
+    # no second "@" (``a@b@c``, the old user@host@relay routing, refused like the percent
+    # hack).  Finer domain syntax is left to the next hop.
+    if _CONTROL.search(path) is not None or " " in domain or not is_local_part(local):
         raise CommandError(_reply(501, "Bad address syntax", 5, 1, 3))
     if has_empty_label(domain):
         # Refused here as the HTTP API refuses it (``zoneq.queue.intake``).
@@ -290,14 +294,15 @@ def _ret(value: str | None) -> Ret:
 
 
 def _envid(value: str | None) -> str:
-    """RFC 3461 section 4.4: ENVID=xtext, at most 100 characters; kept raw."""
+    """RFC 3461 section 4.4: ENVID=xtext of printable US-ASCII, at most 100 characters;
+    kept raw."""
     envid = _value("ENVID", value)
     if len(envid) > MAX_ENVID:
         raise CommandError(bad_arguments("ENVID too long"))
     try:
-        xtext_decode(envid)
+        printable_xtext_decode(envid)
     except ProtocolError:
-        raise CommandError(bad_arguments("ENVID is not xtext")) from None
+        raise CommandError(bad_arguments("Bad ENVID parameter syntax")) from None
     return envid
 
 
@@ -360,19 +365,18 @@ def _parse_notify(value: str) -> frozenset[Notify]:
     return frozenset(notify)
 
 
-def _check_orcpt(value: str) -> str:
-    """RFC 3461 section 4.2: ``addr-type ";" xtext`` (RFC 6533 section 3 for utf-8)."""
-    addr_type, semicolon, encoded = value.partition(";")
-    if not semicolon or not _ATOM.fullmatch(addr_type) or not encoded:
-        raise CommandError(bad_arguments("ORCPT must be addr-type;xtext"))
+def _check_orcpt(value: str, *, smtputf8: bool) -> str:
+    """RFC 3461 section 4.2: ``addr-type ";" xtext``, at most 500 characters as received
+    and as stored (``normal_orcpt``: the utf-8 addr-type's address in its xtext form)."""
     if len(value) > MAX_ORCPT:
         raise CommandError(bad_arguments("ORCPT too long"))
-    decode = utf8_xtext_decode if addr_type.lower() == "utf-8" else xtext_decode
     try:
-        decode(encoded)
+        orcpt = normal_orcpt(value, unitext=smtputf8)
     except ProtocolError:
-        raise CommandError(bad_arguments("ORCPT is not xtext")) from None
-    return value
+        raise CommandError(bad_arguments("Bad ORCPT parameter syntax")) from None
+    if len(orcpt) > MAX_ORCPT:
+        raise CommandError(bad_arguments("ORCPT too long"))
+    return orcpt
 
 
 def parse_rcpt(argument: str, *, esmtp: bool, smtputf8: bool) -> RcptCommand:
@@ -393,7 +397,7 @@ def parse_rcpt(argument: str, *, esmtp: bool, smtputf8: bool) -> RcptCommand:
         if key == "NOTIFY":
             notify = _parse_notify(_value(key, value))
         elif key == "ORCPT":
-            orcpt = _check_orcpt(_value(key, value))
+            orcpt = _check_orcpt(_value(key, value), smtputf8=smtputf8)
         else:
             raise CommandError(_unsupported_parameter(key))
     return RcptCommand(recipient, notify, orcpt, route)

@@ -1,8 +1,11 @@
 """xtext codecs for DSN parameters: RFC 3461 xtext and RFC 6533 utf-8-addr-xtext.
 
-ENVID and ORCPT arrive in SMTP as xtext (RFC 3461 section 4) and are stored as received;
-the DSN builder decodes them, and writes internationalized addresses in the 7-bit
-utf-8-addr-xtext form of RFC 6533.  Pure functions; bad input raises ``ProtocolError``.
+ENVID and ORCPT arrive in SMTP as xtext (RFC 3461 section 4) and are stored as received,
+an ORCPT of the utf-8 addr-type in its 7-bit utf-8-addr-xtext form (``normal_orcpt``);
+the DSN builder decodes them, and writes internationalized addresses in that form too.
+``normal_orcpt`` is the one ORCPT grammar of both sides: the receiver stores only what it
+returns and the delivery side sends only what it returns.  Pure functions; bad input
+raises ``ProtocolError``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,14 @@ from typing import Final
 
 from zoneq.errors import ProtocolError
 
-__all__ = ["utf8_xtext_decode", "utf8_xtext_encode", "xtext_decode", "xtext_encode"]
+__all__ = [
+    "normal_orcpt",
+    "printable_xtext_decode",
+    "utf8_xtext_decode",
+    "utf8_xtext_encode",
+    "xtext_decode",
+    "xtext_encode",
+]
 
 # RFC 3461 section 4: xchar is "!" to "~" except "+" and "="; hexchar is "+" and two hex
 # digits (upper case per the RFC; lower case accepted, it is unambiguous).
@@ -21,6 +31,13 @@ _XTEXT_TOKEN: Final = re.compile(r"\+([0-9A-Fa-f]{2})|([\x21-\x2a\x2c-\x3c\x3e-\
 # RFC 6533 section 3: EmbeddedUnicodeChar is "\x{" HEXPOINT "}".
 _EMBEDDED_CHAR: Final = re.compile(r"\\x\{([0-9A-Fa-f]{1,6})\}")
 _MAX_CODE_POINT: Final = 0x10FFFF
+# RFC 3461 section 4.2: addr-type is an atom (RFC 5322 section 3.2.3 atext), less "=",
+# which an esmtp-value cannot carry (RFC 5321 section 4.1.2).
+_ADDR_TYPE: Final = re.compile(r"[A-Za-z0-9!#$%&'*+/?^_`{|}~-]+")
+# RFC 3461 sections 4.2 and 4.4: before xtext encoding, ORCPT and ENVID "MUST consist
+# entirely of printable (graphic and white space) characters from the US-ASCII repertoire".
+_PRINTABLE_ASCII: Final = re.compile(r"[\x20-\x7e]*")
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def xtext_encode(value: str) -> str:
@@ -107,3 +124,36 @@ def utf8_xtext_decode(value: str) -> str:
         else:
             raise ProtocolError(f"character {char!r} not allowed at offset {pos}: {value!r}")
     return "".join(out)
+
+
+def printable_xtext_decode(value: str) -> str:
+    """``xtext_decode``, and the decoded text printable US-ASCII, as RFC 3461 sections 4.2
+    (ORCPT) and 4.4 (ENVID) require: ``x+0D+0Ay`` and ``caf+C3+A9`` are refused
+    (``ProtocolError``), the first a CR LF for any later hop to write into a DSN."""
+    decoded = xtext_decode(value)
+    if not _PRINTABLE_ASCII.fullmatch(decoded):
+        raise ProtocolError(f"xtext decodes to other than printable US-ASCII: {value!r}")
+    return decoded
+
+
+def normal_orcpt(value: str, *, unitext: bool) -> str:
+    """An ORCPT value (``addr-type;xtext``, RFC 3461 section 4.2) in the form zoneq stores
+    and sends, or ``ProtocolError``.
+
+    The addr-type is an atom; its address must decode to printable US-ASCII, except for the
+    utf-8 addr-type (RFC 6533 section 3), whose address is returned in utf-8-addr-xtext:
+    the unitext form (raw UTF-8, allowed only with SMTPUTF8, ``unitext``) could not be sent
+    to a next hop without SMTPUTF8, and the xtext form can be sent to any.
+    """
+    addr_type, semicolon, encoded = value.partition(";")
+    if not semicolon or not encoded or not _ADDR_TYPE.fullmatch(addr_type):
+        raise ProtocolError(f"ORCPT is not addr-type;xtext: {value!r}")
+    if addr_type.lower() != "utf-8":
+        printable_xtext_decode(encoded)
+        return value
+    if not unitext and not encoded.isascii():
+        raise ProtocolError(f"ORCPT in utf-8-addr-unitext without SMTPUTF8: {value!r}")
+    address = utf8_xtext_decode(encoded)
+    if _CONTROL.search(address):  # \x{D} decodes to a CR: never in an address
+        raise ProtocolError(f"ORCPT decodes to a control character: {value!r}")
+    return f"{addr_type};{utf8_xtext_encode(address)}"

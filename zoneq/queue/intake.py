@@ -58,7 +58,7 @@ from zoneq.config import Config
 from zoneq.errors import ZoneqError
 from zoneq.plugin import Drop, PluginHost
 from zoneq.protocol.domains import EMPTY_LABEL, ascii_address, has_empty_label, normal_domain
-from zoneq.protocol.local_parts import canonical_address
+from zoneq.protocol.local_parts import canonical_address, is_local_part
 from zoneq.protocol.relay_addresses import is_percent_hack
 from zoneq.protocol.replies import Reply
 from zoneq.queue.consults import ROUTE_DEADLINE_S, consult_all
@@ -88,9 +88,6 @@ _MAX_LOCAL: Final = 64
 _MAX_DOMAIN: Final = 255
 _MAX_ADDRESS: Final = 254
 _MAX_LABEL: Final = 63  # RFC 1035 section 2.3.4
-# RFC 5321 section 4.1.2 Dot-string: atext (RFC 5322 3.2.3) and dots; RFC 6531 section 3.3
-# adds any non-ASCII character (SMTPUTF8).
-_DOT_STRING: Final = re.compile(r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~.\-\u0080-\U0010ffff]+")
 # A sub-domain's letters, digits and hyphens (RFC 5321 4.1.2), a U-label's non-ASCII
 # (RFC 6531 3.3), and "_", which real names carry though the grammar has no room for it.
 _DOMAIN_LABEL: Final = re.compile(r"[A-Za-z0-9_\-\u0080-\U0010ffff]+")
@@ -189,9 +186,10 @@ def check_address(address: str, *, what: str = "address") -> str:
         raise Unacceptable(f"{what} {address!r}: expected local-part@domain")
     if len(local.encode()) > _MAX_LOCAL or len(domain.encode()) > _MAX_DOMAIN:
         raise Unacceptable(f"{what} {address!r}: local part or domain too long (RFC 5321)")
-    quoted = len(local) >= 2 and local[0] == local[-1] == '"'
-    if not quoted and not _DOT_STRING.fullmatch(local):
-        raise Unacceptable(f"{what} {address!r}: the local part is not a dot-string (RFC 5321)")
+    if not is_local_part(local):  # the SMTP receiver's check at MAIL and RCPT
+        raise Unacceptable(
+            f"{what} {address!r}: the local part is not a dot-string or quoted string (RFC 5321)"
+        )
     problem = _domain_problem(domain)
     if problem is not None:
         raise Unacceptable(f"{what} {address!r}: {problem}")

@@ -3,25 +3,35 @@
 Lines are written to the connection as they are built here, so nothing from a message may put
 a CR or LF (or any control character) into one: that would inject a command (RFC 5321 section
 2.3.8 forbids control characters in commands).  Addresses with them are settled by the
-session before any line is built (``has_control``); ENVID, ORCPT and the HELO name are checked
-by :func:`check_arguments` when ``deliver`` is called; :func:`_line` refuses anything that
+session before any line is built (``has_control``); ENVID and the HELO name are checked by
+:func:`check_arguments` when ``deliver`` is called; :func:`_line` refuses anything that
 slipped through.
+
+An ORCPT is sent in the form ``normal_orcpt`` gives, the receiver's own grammar (so a
+utf-8 one an older zoneq stored raw goes out as utf-8-addr-xtext); one it refuses (stored
+by an older zoneq: an address decoding to a CR LF) is left out of the RCPT, logged once
+per ``deliver``, not made the whole job's failure: RFC 3461 section 4.2 makes ORCPT
+optional information.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from typing import Final
 
 from zoneq.delivery.transport.options import MailOptions, Recipient
+from zoneq.errors import ProtocolError
 from zoneq.protocol.dsn import Notify
+from zoneq.protocol.xtext import normal_orcpt
+
+log = logging.getLogger(__name__)
 
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
 _CONTROL_BYTES: Final = re.compile(rb"[\x00-\x1f\x7f]")
-# ENVID and ORCPT are xtext (RFC 3461 section 4); a HELO name has no spaces.
+# ENVID is xtext (RFC 3461 section 4); a HELO name has no spaces.
 _PRINTABLE: Final = re.compile(r"[\x21-\x7e]+")
-_ORCPT: Final = re.compile(r"[A-Za-z0-9-]+;[\x21-\x7e]+")
 
 RSET: Final = b"RSET\r\n"
 DATA: Final = b"DATA\r\n"
@@ -33,7 +43,8 @@ def has_control(address: str) -> bool:
 
 
 def check_arguments(helo_name: str, recipients: Sequence[Recipient], options: MailOptions) -> None:
-    """Refuse (ValueError) what is a caller's mistake rather than a remote outcome."""
+    """Refuse (ValueError) what is a caller's mistake rather than a remote outcome; log an
+    ORCPT that ``rcpt_line`` will leave out (stored data, not the caller's mistake)."""
     if not _PRINTABLE.fullmatch(helo_name):
         raise ValueError(f"helo_name must be printable ASCII without spaces: {helo_name!r}")
     if options.envid is not None and not _PRINTABLE.fullmatch(options.envid):
@@ -43,8 +54,21 @@ def check_arguments(helo_name: str, recipients: Sequence[Recipient], options: Ma
     for recipient in recipients:
         if Notify.NEVER in recipient.notify and len(recipient.notify) > 1:
             raise ValueError("NOTIFY=NEVER cannot be combined (RFC 3461 section 4.1)")
-        if recipient.orcpt is not None and not _ORCPT.fullmatch(recipient.orcpt):
-            raise ValueError(f"ORCPT must be addr-type;xtext (RFC 3461): {recipient.orcpt!r}")
+        if recipient.orcpt is not None and sendable_orcpt(recipient.orcpt) is None:
+            log.warning(
+                "ORCPT of %s left out, not addr-type;xtext (RFC 3461 4.2): %r",
+                recipient.address,
+                recipient.orcpt,
+            )
+
+
+def sendable_orcpt(orcpt: str) -> str | None:
+    """``orcpt`` as it is sent (``normal_orcpt``: a utf-8 address in its 7-bit form), or
+    None when it cannot be sent at all."""
+    try:
+        return normal_orcpt(orcpt, unitext=True)
+    except ProtocolError:
+        return None
 
 
 def _address(address: str) -> bytes:
@@ -83,6 +107,7 @@ def rcpt_line(recipient: Recipient, ext: Mapping[str, str]) -> bytes:
             # A fixed order, so the command is the same whatever the set's order.
             keywords = [n.value for n in Notify if n in recipient.notify]
             words.append(b"NOTIFY=" + ",".join(keywords).encode("ascii"))
-        if recipient.orcpt is not None:
-            words.append(b"ORCPT=" + recipient.orcpt.encode("ascii"))
+        orcpt = None if recipient.orcpt is None else sendable_orcpt(recipient.orcpt)
+        if orcpt is not None:
+            words.append(b"ORCPT=" + orcpt.encode("ascii"))
     return _line(words)

@@ -307,7 +307,7 @@ async def deliver(
 
     Returns a result per recipient, in order; never raises for anything the remote host does.
     Raises ValueError for arguments that cannot be sent (a HELO name with spaces, an ENVID or
-    ORCPT that is not xtext, NOTIFY=NEVER combined with another keyword).
+    that is not xtext, NOTIFY=NEVER combined with another keyword).
     """
     rcpts = [r if isinstance(r, Recipient) else Recipient(r) for r in recipients]
     options = options or MailOptions()
