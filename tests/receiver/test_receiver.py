@@ -141,6 +141,61 @@ def test_dsn_parameters_are_stored(tmp_path: Path) -> None:
     run(tmp_path, body)
 
 
+LONG = (b"y" * 998 + b"\r\n") * 80  # past the first 64 KiB chunk
+
+
+@pytest.mark.parametrize(
+    ("mail", "text", "eight_bit"),
+    [
+        ("MAIL FROM:<c@d.test>", b"Subject: caf\xc3\xa9\r\n\r\nbody\r\n", True),
+        ("MAIL FROM:<c@d.test>", b"Subject: x\r\n\r\n" + LONG + b"\xe9\r\n", True),
+        ("MAIL FROM:<c@d.test> BODY=8BITMIME", b"Subject: x\r\n\r\nbody\r\n", True),
+        ("MAIL FROM:<c@d.test>", b"Subject: x\r\n\r\nbody\r\n", False),
+    ],
+)
+def test_undeclared_8bit_data_is_stored_as_8bit(
+    tmp_path: Path, mail: str, text: bytes, eight_bit: bool
+) -> None:
+    """RFC 6152 section 3: 8-bit data is declared, so the next hop is sent BODY=8BITMIME
+    even when our client sent it without (the second case: past the first chunk)."""
+
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.connect(rx.port)
+        await raw.start(mail=mail)
+        await raw.send(text + b".\r\n")
+        msg_id = queued_id(await raw.reply())
+        assert store.message(msg_id).body_8bit is eight_bit
+        # The next transaction on the connection starts over: 7-bit again.
+        assert (await raw.cmd("MAIL FROM:<c@d.test>")).startswith("250 ")
+        assert (await raw.cmd("RCPT TO:<a@b.test>")).startswith("250 ")
+        assert (await raw.cmd("DATA")).startswith("354 ")
+        assert not store.message(queued_id(await raw.cmd("Subject: x\r\n\r\n."))).body_8bit
+        await raw.quit()
+
+    run(tmp_path, body)
+
+
+def test_orcpt_is_stored_in_the_form_delivery_sends(tmp_path: Path) -> None:
+    """RFC 6533 section 3: a utf-8 ORCPT in raw UTF-8 (with SMTPUTF8) is stored as
+    utf-8-addr-xtext, which any next hop can be sent."""
+
+    async def body(rx: SmtpReceiver, store: QueueStore) -> None:
+        raw = await Raw.greeted(rx.port)
+        assert (await raw.cmd("MAIL FROM:<c@d.test>")).startswith("250 ")
+        refused = await raw.cmd("RCPT TO:<a@b.test> ORCPT=utf-8;jörg@b.test")
+        assert refused == "501 5.5.4 Bad ORCPT parameter syntax"  # not without SMTPUTF8
+        await raw.cmd("RSET")
+        assert (await raw.cmd("MAIL FROM:<c@d.test> SMTPUTF8")).startswith("250 ")
+        assert (await raw.cmd("RCPT TO:<a@b.test> ORCPT=utf-8;jörg@b.test")).startswith("250 ")
+        assert (await raw.cmd("DATA")).startswith("354 ")
+        msg_id = queued_id(await raw.cmd(MESSAGE.decode() + "."))
+        [queued] = store.recipients(msg_id)
+        assert queued.recipient.orcpt == "utf-8;j\\x{F6}rg@b.test"
+        await raw.quit()
+
+    run(tmp_path, body)
+
+
 def test_pipelined_transactions_on_one_connection(tmp_path: Path) -> None:
     async def body(rx: SmtpReceiver, store: QueueStore) -> None:
         raw = await Raw.connect(rx.port)

@@ -42,9 +42,13 @@ HASH_THREADS: Final = 2
 """scrypt is CPU work (and releases the GIL): more threads than cores gains nothing."""
 AUTH_OK: Final = Reply(235, ("Authentication successful",), EnhancedStatus(2, 7, 0))
 AUTH_FAILED: Final = Reply(535, ("Authentication credentials invalid",), EnhancedStatus(5, 7, 8))
-TOO_MANY_FAILURES: Final = Reply(
-    421, ("Too many authentication failures, closing",), EnhancedStatus(4, 7, 0)
-)
+
+
+def too_many_failures(hostname: str) -> Reply:
+    """421 4.7.0 naming this host, as every 421 does (RFC 5321 section 4.2.3: "421
+    <domain> Service not available, closing transmission channel")."""
+    text = f"{hostname} Too many authentication failures, closing"
+    return Reply(421, (text,), EnhancedStatus(4, 7, 0))
 
 
 class Authenticator:
@@ -99,10 +103,16 @@ class AuthSession:
     """The AUTH state of one SMTP session: the exchange in progress and the result."""
 
     def __init__(
-        self, authenticator: Authenticator, peer: str, plugins: PluginVerdict | None = None
+        self,
+        authenticator: Authenticator,
+        peer: str,
+        plugins: PluginVerdict | None = None,
+        *,
+        hostname: str,
     ) -> None:
         self._authenticator = authenticator
         self._peer = peer
+        self._hostname = hostname
         self._plugins = plugins
         self._mechanism = ""
         self._exchange: SaslExchange | None = None
@@ -151,7 +161,9 @@ class AuthSession:
             return AUTH_OK
         self.failures += 1
         log.warning("%s: authentication failed for %r", self._peer, step.username)
-        return TOO_MANY_FAILURES if self.failures >= MAX_FAILURES else AUTH_FAILED
+        if self.failures >= MAX_FAILURES:
+            return too_many_failures(self._hostname)
+        return AUTH_FAILED
 
     async def _verdict(self, credentials: Credentials) -> bool | Reply:
         """A plugin's verdict if one has an opinion, else the configured users'.  A plugin's

@@ -154,7 +154,9 @@ class SmtpSession:
         )
         self.hooks = receiver.hooks
         self.relay_by_address = receiver.may_relay(ip)
-        self.auth = AuthSession(receiver.authenticator, ip, self._auth_plugins)
+        self.auth = AuthSession(
+            receiver.authenticator, ip, self._auth_plugins, hostname=receiver.hostname
+        )
         self.tls = tls  # the TLS version: from the start (implicit TLS) or after STARTTLS
         self.deadline = RequestDeadline(receiver.idle_timeout_s, config.receiver.min_data_rate)
         self.chunk_size = config.storage.chunk_size
@@ -172,6 +174,7 @@ class SmtpSession:
         self.size = 0  # octets stored (written and buffered)
         self.header_len = 0  # our Received field, first in chunk 0
         self.scan = HeaderScan()
+        self.eight_bit = False  # an octet over 0x7F in the data, declared or not
         self.fault: Reply | None = None  # decided while the body streams: answered at the dot
         self.received_ms = 0
 
@@ -463,6 +466,9 @@ class SmtpSession:
             return  # refused already: the rest is only read past
         self.buffer += data
         self.size += len(data)
+        # RFC 6152 section 3: 8-bit data is sent with BODY=8BITMIME, whether or not our
+        # client declared it; one C-speed scan per piece, and none once one is found.
+        self.eight_bit = self.eight_bit or not data.isascii()
         step = self.chunk_size
         while len(self.buffer) >= step and self.fault is None:
             piece = bytes(self.buffer[:step])
@@ -538,7 +544,7 @@ class SmtpSession:
             ret=None if mail.ret is None else mail.ret.value,
             envid=mail.envid,
             smtputf8=mail.smtputf8,
-            body_8bit=mail.body is BodyType.EIGHT_BIT_MIME,
+            body_8bit=self.eight_bit or mail.body is BodyType.EIGHT_BIT_MIME,
             headers=dict(self.scan.headers),
             source=self._source(),
         )
@@ -590,6 +596,7 @@ class SmtpSession:
         self.size = 0
         self.header_len = 0
         self.scan = HeaderScan()
+        self.eight_bit = False
         self.fault = None
 
     async def _end_transaction(self) -> None:

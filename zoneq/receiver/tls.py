@@ -62,6 +62,12 @@ def server_context(cert: Path, key: Path) -> ssl.SSLContext:
     return context
 
 
+def _reason(exc: BaseException) -> str:
+    # Many of these exceptions have no text (EOFError(), a reset by the peer): name the
+    # type then, so the log line says why the handshake failed.
+    return str(exc) or type(exc).__name__
+
+
 async def start_tls(link: Link, context: ssl.SSLContext, *, timeout_s: float, peer: str) -> bool:
     """Run the server side of the STARTTLS handshake on ``link``.
 
@@ -72,7 +78,7 @@ async def start_tls(link: Link, context: ssl.SSLContext, *, timeout_s: float, pe
         await link.drain()  # the 220 is out; nothing is read from here to the handshake
         dropped = link.discard_buffered()
     except OSError as exc:
-        log.info("%s: TLS handshake failed: %s", peer, exc or type(exc).__name__)
+        log.info("%s: TLS handshake failed: %s", peer, _reason(exc))
         return False
     if dropped:
         log.info("%s: %d octet(s) pipelined after STARTTLS discarded", peer, dropped)
@@ -89,7 +95,7 @@ async def accept_tls(
     try:
         await link.start_tls(context, timeout_s=timeout_s)
     except (ssl.SSLError, OSError, TimeoutError, RuntimeError, EOFError) as exc:
-        log.info("%s: TLS handshake failed: %s", peer, exc or type(exc).__name__)
+        log.info("%s: TLS handshake failed: %s", peer, _reason(exc))
         return None
     ssl_object = link.get_extra_info("ssl_object")
     version = ssl_object.version() if isinstance(ssl_object, ssl.SSLObject) else None
