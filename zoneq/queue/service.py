@@ -222,6 +222,9 @@ class _Running:
     size: int = 0  # the message's size, for the outcome events (issue 6)
     sender: str = ""  # for the outcome hooks
     slot: int = 0  # its connection slot: released, or kept idle, when the job is reported
+    # Its message is a notice of ours (``MessageMeta.is_bounce``), read with the job's
+    # metadata: its outcomes follow the notices' schedule (``_Zone.schedule_of``).
+    notice: bool = False
 
 
 class _Verdicts(NamedTuple):
@@ -282,6 +285,11 @@ class _Zone:
     name: str
     schedule: RetrySchedule
     slots: DomainSlots
+    # The bounce zone's schedule for the notices zoneq generates: its retry intervals,
+    # ``routing.bounce_max_age``.  None elsewhere.  Only for the notices: other mail the
+    # rules (or the one-zone set-up, default_zone = bounce_zone) route here keeps the
+    # zone's own max_age, as config/zones.toml documents bounce_max_age.
+    notice_schedule: RetrySchedule | None
     rate: RateLimiter
     filling: Filling[Lease]  # jobs of a message the last window cut short (``_refill``)
     filling_msg: int | None = None  # that message, while ``filling`` holds any of it
@@ -293,6 +301,12 @@ class _Zone:
     # The last refill read to the end of the zone and planned nothing, and nothing has
     # happened since that could change that (``poke``): another refill would read the same.
     exhausted: bool = False
+
+    def schedule_of(self, notice: bool) -> RetrySchedule:
+        """The retry schedule of a message here; ``notice``: it is one of ours."""
+        if notice and self.notice_schedule is not None:
+            return self.notice_schedule
+        return self.schedule
 
     def poke(self) -> None:
         """Something a lease may find changed (records ready, a slot free, a resume): wake
@@ -372,15 +386,12 @@ class QueueService:
         zone = self._zones.get(name)
         if zone is None:
             settings = self._config.zones.get(name)
-            if name == self._config.routing.bounce_zone:
-                schedule = self._config.bounce_schedule
-            elif settings is not None:
-                schedule = settings.schedule
-            else:
-                schedule = RetrySchedule.parse()
+            schedule = settings.schedule if settings is not None else RetrySchedule.parse()
+            bounces = name == self._config.routing.bounce_zone
             zone = _Zone(
                 name=name,
                 schedule=schedule,
+                notice_schedule=self._config.bounce_schedule if bounces else None,
                 slots=DomainSlots(
                     self._domain_connections,
                     self._config.delivery.domain_limits,
@@ -606,7 +617,7 @@ class QueueService:
         feedback = state.slots.feedback
         job = Job(
             slot=slot,
-            last_attempt=self._expiring(state, meta.msg_id),
+            last_attempt=self._expiring(state.schedule_of(meta.is_bounce), meta.msg_id),
             rested=feedback.rested(planned.domain) if feedback is not None else frozenset(),
             body=self._inline_body(meta),
             msg_id=meta.msg_id,
@@ -635,17 +646,17 @@ class QueueService:
         job_id = next(self._job_ids)
         tokens = {lease.token for lease in planned.items}
         self._running[job_id] = _Running(
-            state.name, planned.domain, owner, tokens, meta.size, meta.sender, slot
+            state.name, planned.domain, owner, tokens, meta.size, meta.sender, slot, meta.is_bounce
         )
         for lease in planned.items:
             self._leases[lease.token] = (lease, job_id)
         return job
 
-    def _expiring(self, state: _Zone, msg_id: int) -> bool:
+    def _expiring(self, schedule: RetrySchedule, msg_id: int) -> bool:
         """Is this the message's last attempt: a failure now finds the schedule given up
         (``_next_attempt``)?  The schedule put the try at the expiry time itself, so it must
         be a real one: the worker then ignores its dead-host cache for the job."""
-        return self._clock() >= state.schedule.expires_at(id_time_ms(msg_id))
+        return self._clock() >= schedule.expires_at(id_time_ms(msg_id))
 
     def _inline_body(self, meta: MessageMeta) -> bytes | None:
         """A one-chunk body travels with its job.  One the core cannot read now (missing,
@@ -733,10 +744,10 @@ class QueueService:
                 # Grouped by message: one hold per damaged message per report.
                 damaged.setdefault(lease.recipient.msg_id, []).append((item.token, lease, outcome))
             elif item.result is Result.DEFERRED:
-                next_at = self._next_attempt(lease, now)
+                next_at = self._next_attempt(lease, running, now)
                 if next_at is not None:
                     # Grouped by message: one NOTIFY=DELAY notice per report (``_defer``).
-                    delay = self._delay_owed(lease, item, now)
+                    delay = self._delay_owed(lease, item, running, now)
                     waiting = deferrals.setdefault(lease.recipient.msg_id, [])
                     waiting.append((item.token, lease, delay, outcome, next_at))
                 else:
@@ -863,13 +874,19 @@ class QueueService:
             self._notifying.add(task)
             task.add_done_callback(self._notifying.discard)
 
-    def _next_attempt(self, lease: Lease, now: int) -> int | None:
+    def _schedule(self, running: _Running) -> RetrySchedule:
+        """The retry schedule of the job ``running``'s message."""
+        return self._zone(running.zone).schedule_of(running.notice)
+
+    def _next_attempt(self, lease: Lease, running: _Running, now: int) -> int | None:
         """When to try again after this failure, or None: the schedule gives up (expired)."""
         record = lease.recipient
-        schedule = self._zone(record.zone).schedule
+        schedule = self._schedule(running)
         return schedule.next_attempt(record.attempts + 1, id_time_ms(record.msg_id), now)
 
-    def _delay_owed(self, lease: Lease, item: RecipientOutcome, now: int) -> Failure | None:
+    def _delay_owed(
+        self, lease: Lease, item: RecipientOutcome, running: _Running, now: int
+    ) -> Failure | None:
         """The delay this deferral owes the sender a notice about, if any (once per
         recipient, when it has waited ``routing.delay_warning``; RFC 3461 section 4.1)."""
         record = lease.recipient
@@ -884,7 +901,7 @@ class QueueService:
             diagnostic=item.reply or None,
             remote_mta=item.remote_mta,
             action=Action.DELAYED,
-            will_retry_until_ms=self._zone(record.zone).schedule.expires_at(queued_at),
+            will_retry_until_ms=self._schedule(running).expires_at(queued_at),
         )
 
     def _defer(
