@@ -258,6 +258,7 @@ class StoreSink:
             body_8bit=m.body_8bit,
             headers=m.headers,
             source=m.source,
+            zone_header=m.zone_header,
         )
         news = [NewRecipient(r.address, r.zone, r.notify, r.orcpt) for r in recipients]
         gone = [StoreDropped(d.address, d.zone, d.reason) for d in dropped]

@@ -129,7 +129,9 @@ class Settings:
     sources: SourcePool | None = None
     relay: Relay | None = None
     zone: str = ""
-    zone_header: str = "X-Sending-Zone"  # removed from the copy that goes out (issue 5)
+    # Removed from the copy that goes out (issue 5), unless the job names the field that
+    # chose its zone (``Job.zone_header``: the config may have renamed it since).
+    zone_header: str = "X-Sending-Zone"
     rules: tuple[ReplyRule, ...] = ()  # reply rules (config ``[reply_rules]``)
     max_addresses: int = 5  # addresses connected to per attempt (``max_mx_addresses``)
 
@@ -184,7 +186,7 @@ async def attempt(
     if usable is None:
         return _no_usable_family(job, mx, settings.families or frozenset())
     mx = usable
-    outgoing = OutgoingBody(body, settings.zone_header)
+    outgoing = OutgoingBody(body, job.zone_header or settings.zone_header)
     if plugins is not None and plugins.handles(Hook.SENDER_HEADERS):
         refused = await _sender_headers(job, settings.zone, plugins, outgoing)
         if refused is not None:

@@ -4,7 +4,10 @@ Theory of operation
 -------------------
 The stored message is what the client sent, plus our Received field, including the routing
 header (``routing.zone_header``, ``X-Sending-Zone``) that chose its zone; issue 5 says that
-header is never delivered.  Plugins at ``sender:headers`` (DKIM) may add fields in front
+header is never delivered.  The field removed is the one named when the message came
+(``Job.zone_header``, from its metadata), so renaming the header in the config does not let
+mail queued before the rename leak the old one; mail queued before that name was recorded
+has the configured name removed.  Plugins at ``sender:headers`` (DKIM) may add fields in front
 (RFC 6376 section 5.6: a DKIM-Signature is prepended, like a trace field).  Both changes are
 made while the body streams: :class:`OutgoingBody` wraps the body source, buffers chunks
 only until the header section has ended (the first empty line, RFC 5322 section 2.1), and

@@ -130,6 +130,7 @@ def _job(job: queue.Job) -> Job:
         rested=tuple(sorted(job.rested)),
         slot=job.slot,
         last_attempt=job.last_attempt,
+        zone_header=job.zone_header,
         recipients=tuple(
             JobRecipient(
                 token=r.token,

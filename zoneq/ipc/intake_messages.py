@@ -27,6 +27,8 @@ Frames (lists, the first item the operation; ``rid`` a request id the reply carr
 ``dropped`` (recipients a plugin dropped, each ``[address, zone, reason]``) is sent only
 when there are some, so the frame of the usual message is what it always was; with it,
 ``recipients`` may be empty (every recipient dropped: only the events are stored).
+Likewise ``message`` has a twelfth field, the routing header that chose the zone
+(``ReceivedMessage.zone_header``), only when one did.
 
 Requests without a reply are safe to fire and forget because the core handles one
 connection's frames in order: an ABANDON can never overtake the CHUNK before it.
@@ -147,6 +149,9 @@ class ReceivedMessage:
     body_8bit: bool = False
     headers: dict[str, str] = field(default_factory=dict)
     source: dict[str, str] = field(default_factory=dict)
+    # The routing header field that chose the recipients' zone, if one did: stored with
+    # the message so that delivery removes that field (``MessageMeta.zone_header``).
+    zone_header: str | None = None
 
 
 class MessageSink(Protocol):
@@ -229,7 +234,7 @@ _MESSAGE_FIELDS: Final = 11
 
 def encode_message(message: ReceivedMessage) -> list[object]:
     m = message
-    return [
+    fields: list[object] = [
         m.msg_id,
         m.sender,
         m.size,
@@ -242,20 +247,25 @@ def encode_message(message: ReceivedMessage) -> list[object]:
         m.headers,
         m.source,
     ]
+    if m.zone_header is not None:
+        fields.append(m.zone_header)
+    return fields
 
 
 def decode_message(obj: object) -> ReceivedMessage:
     """A ``ReceivedMessage`` from its frame form; ``ProtocolError`` if it is not one."""
-    if not isinstance(obj, list) or len(obj) != _MESSAGE_FIELDS:
-        raise ProtocolError("message: not a list of 11 fields")
-    msg_id, sender, size, chunks, received, ret, envid, utf8, bit8, headers, source = obj
+    if not isinstance(obj, list) or len(obj) not in (_MESSAGE_FIELDS, _MESSAGE_FIELDS + 1):
+        raise ProtocolError("message: not a list of 11 or 12 fields")
+    msg_id, sender, size, chunks, received, ret, envid, utf8, bit8, headers, source = obj[:11]
+    zone_header = obj[11] if len(obj) > _MESSAGE_FIELDS else None
     _need(all(_is_int(v) for v in (msg_id, size, chunks, received)), "message: bad numbers")
     _need(isinstance(sender, str), "message: bad sender")
     _need(all(v is None or isinstance(v, str) for v in (ret, envid)), "message: bad RET/ENVID")
     _need(isinstance(utf8, bool) and isinstance(bit8, bool), "message: bad flags")
     _need(_is_str_map(headers) and _is_str_map(source), "message: bad headers or source")
+    _need(zone_header is None or isinstance(zone_header, str), "message: bad zone header")
     return ReceivedMessage(
-        msg_id, sender, size, chunks, received, ret, envid, utf8, bit8, headers, source
+        msg_id, sender, size, chunks, received, ret, envid, utf8, bit8, headers, source, zone_header
     )
 
 

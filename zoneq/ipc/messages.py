@@ -32,6 +32,9 @@ at once.  Both fields are optional on the wire: a core that does not know ``leas
 ignores it and answers without ``jobs``, which a worker takes as "no job ready".
 Likewise ``Job.rested`` (source addresses resting for the job's domain): absent means none,
 and ``Job.last_attempt`` (the retry schedule's last try before expiry): absent is false.
+``Job.zone_header`` (the routing header field that chose the message's zone, as it was
+named when the message came) is sent only when known: absent, the worker removes the field
+its own config names, as a worker that does not know it always does.
 
 Connection slots (issue 5): the core's limits per domain and per MX host count connections
 open at the remote end, idle ones a worker keeps for reuse included.  ``Job.slot`` names
@@ -165,6 +168,13 @@ def _str(body: _Body, name: str, where: str) -> str:
 
 def _opt_str(body: _Body, name: str, where: str) -> str | None:
     if _get(body, name, where) is None:
+        return None
+    return _str(body, name, where)
+
+
+def _added_str(body: _Body, name: str, where: str) -> str | None:
+    """An optional str field: absent or None is None (older peers do not send it)."""
+    if body.get(name) is None:
         return None
     return _str(body, name, where)
 
@@ -549,6 +559,10 @@ class Job:
     # only when true, as ``RecipientReport.relayed``: absent is false (a core that does not
     # send it), and a worker that does not know it skips resting addresses, as before.
     last_attempt: bool = False
+    # The routing header field that chose the message's zone (``MessageMeta.zone_header``),
+    # to be removed from the copy that goes out: the config may name another one by now.
+    # On the wire only when known: absent is None, the worker's configured name.
+    zone_header: str | None = None
 
     def to_wire(self) -> dict[str, object]:
         body: dict[str, object] = {
@@ -568,6 +582,8 @@ class Job:
         }
         if self.last_attempt:
             body["last_attempt"] = True
+        if self.zone_header is not None:
+            body["zone_header"] = self.zone_header
         return body
 
     @classmethod
@@ -587,6 +603,7 @@ class Job:
             rested=_opt_str_tuple(body, "rested", where),
             slot=_opt_count(body, "slot", where),
             last_attempt=_opt_flag(body, "last_attempt", where),
+            zone_header=_added_str(body, "zone_header", where),
         )
 
 

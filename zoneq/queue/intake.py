@@ -64,7 +64,7 @@ from zoneq.protocol.replies import Reply
 from zoneq.queue.consults import ROUTE_DEADLINE_S, consult_all
 from zoneq.queue.line_limit import LineLimit, LineTooLong
 from zoneq.queue.rawtext import CrlfLines, HeaderSection, SectionTooLong
-from zoneq.queue.routing import Route, Router
+from zoneq.queue.routing import HEADER, Route, Router
 from zoneq.storage.records import MessageMeta, NewRecipient
 from zoneq.storage.store import DroppedRecipient, QueueStore
 
@@ -466,6 +466,7 @@ class Intake:
                 body_8bit=text.eight_bit,
                 headers=text.header.browse,
                 source=source,
+                zone_header=self._routing_field(fields),
             )
             routed = await self._route(envelope, fields, source)
             landing = self.store.commit(
@@ -489,6 +490,16 @@ class Intake:
         zones = tuple(dict.fromkeys(r.zone for r in queued))
         addresses = tuple(r.address for r in queued)
         return Receipt(msg_id, meta.size, addresses, zones, tuple(routed.refused))
+
+    def _routing_field(self, fields: Message) -> str | None:
+        """The routing header's field name when that header chose the zone (it names a
+        defined one: an API client is trusted), for the metadata: delivery removes that
+        field, even once the config names another (``MessageMeta.zone_header``)."""
+        header = fields.get(self.zone_header)
+        if header is None:
+            return None
+        decided = self.router.decide("", trusted=True, zone_header=str(header))
+        return self.zone_header if decided.rule == HEADER else None
 
     async def _route(self, envelope: Envelope, fields: Message, source: dict[str, str]) -> _Routed:
         """Every recipient through the rules and the ``queue:route`` plugins (see the module

@@ -150,6 +150,7 @@ class Job:
     rested: frozenset[str] = frozenset()  # source addresses to avoid for this domain now
     slot: int = 0  # the connection slot it holds (``slots.py``); the worker keeps it idle
     last_attempt: bool = False  # its recipients expire after it: resting MX hosts are tried
+    zone_header: str | None = None  # the routing header field to remove (``MessageMeta``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -629,6 +630,7 @@ class QueueService:
             ret=meta.ret,
             smtputf8=meta.smtputf8,
             body_8bit=meta.body_8bit,
+            zone_header=meta.zone_header,
             recipients=tuple(
                 JobRecipient(
                     token=lease.token,

@@ -132,6 +132,7 @@ class ReceiveHooks:
         self.router = Router.from_config(config, plugins)
         self.recheck_deadline_s = recheck_deadline_s
         self.zone_header = config.routing.zone_header.lower()
+        self._zone_field = config.routing.zone_header  # as configured, for the metadata
         self._plugins = plugins
         # Looked up once: these run for every message on the accept path.
         live = set() if plugins is None else {hook for hook in Hook if plugins.handles(hook)}
@@ -204,6 +205,14 @@ class ReceiveHooks:
                 decided = self.router.decide("", trusted=True, zone_header=value)
                 return decided.zone if decided.rule == HEADER else None
         return None
+
+    def routing_field(self, fields: Sequence[tuple[str, str]], *, trusted: bool) -> str | None:
+        """The routing header's field name when that header chose the zone (``header_zone``),
+        for the message's metadata: delivery removes that field, even once the config names
+        another (``MessageMeta.zone_header``)."""
+        if self.header_zone(fields, trusted=trusted) is None:
+            return None
+        return self._zone_field
 
     async def message(
         self,

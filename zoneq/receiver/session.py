@@ -520,12 +520,13 @@ class SmtpSession:
             await self._end_transaction()
             return self.conn.reject(fault)
         mail = self.mail
+        fields = self.scan.fields()
         accepted = await self.hooks.message(
             self._plugin_session,
             sender=mail.address,
             routed=self.recipients,
             dropped=self.dropped,
-            fields=self.scan.fields(),
+            fields=fields,
             trusted=self.relay,
         )
         if isinstance(accepted, Reply):
@@ -547,6 +548,7 @@ class SmtpSession:
             body_8bit=self.eight_bit or mail.body is BodyType.EIGHT_BIT_MIME,
             headers=dict(self.scan.headers),
             source=self._source(),
+            zone_header=self.hooks.routing_field(fields, trusted=self.relay),
         )
         # Replies to pipelined commands before the dot go out while the commit syncs.
         self.link.write(self.conn.data_to_send())

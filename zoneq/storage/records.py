@@ -180,30 +180,40 @@ class MessageMeta:
     headers: dict[str, str] = field(default_factory=dict)
     source: dict[str, str] = field(default_factory=dict)
     is_bounce: bool = False  # a DSN we generated: shorter lifetime, never bounced itself
+    # The routing header's field name (``routing.zone_header`` when the message came) if
+    # that header chose its zone: delivery removes this field, so a header renamed in the
+    # config since is still never delivered (issue 5).  None otherwise; and for metadata
+    # written before the field existed, which delivery treats as naming the current one.
+    zone_header: str | None = None
 
     def encode(
         self, zones: Sequence[str] | None = None, recipient_count: int | None = None
     ) -> bytes:
         """The msgpack value; ``zones`` and ``recipient_count`` override the fields (the
-        store fills them in at commit without copying the dataclass)."""
-        return msgpack.packb(
-            {
-                "v": META_VERSION,
-                "sender": self.sender,
-                "zones": list(self.zones if zones is None else zones),
-                "rcpts": self.recipient_count if recipient_count is None else recipient_count,
-                "size": self.size,
-                "chunks": self.chunks,
-                "received": self.received_ms,
-                "ret": self.ret,
-                "envid": self.envid,
-                "utf8": self.smtputf8,
-                "8bit": self.body_8bit,
-                "headers": self.headers,
-                "source": self.source,
-                "bounce": self.is_bounce,
-            }
-        )
+        store fills them in at commit without copying the dataclass).
+
+        ``zone_header`` is written only when set: the usual message's value stays as it
+        was, and a zoneq from before the field reads a value that has it (unknown keys are
+        ignored), so the format keeps its version."""
+        fields = {
+            "v": META_VERSION,
+            "sender": self.sender,
+            "zones": list(self.zones if zones is None else zones),
+            "rcpts": self.recipient_count if recipient_count is None else recipient_count,
+            "size": self.size,
+            "chunks": self.chunks,
+            "received": self.received_ms,
+            "ret": self.ret,
+            "envid": self.envid,
+            "utf8": self.smtputf8,
+            "8bit": self.body_8bit,
+            "headers": self.headers,
+            "source": self.source,
+            "bounce": self.is_bounce,
+        }
+        if self.zone_header is not None:
+            fields["zone_header"] = self.zone_header
+        return msgpack.packb(fields)
 
     @classmethod
     def decode(cls, key: bytes, msg_id: int, value: bytes) -> MessageMeta:
@@ -232,6 +242,7 @@ class MessageMeta:
                 headers=_string_map(data, "headers"),
                 source=_string_map(data, "source"),
                 is_bounce=_typed(data, "bounce", bool),
+                zone_header=_added_str(data, "zone_header"),
             )
         except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as exc:
             raise StorageCorruption(key, str(exc)) from exc
@@ -256,6 +267,12 @@ def _count(data: dict[str, Any], name: str) -> int:
 def _optional_str(data: dict[str, Any], name: str) -> str | None:
     value = data[name]
     return None if value is None else _typed(data, name, str)
+
+
+def _added_str(data: dict[str, Any], name: str) -> str | None:
+    """An optional field added after its format's version: absent (written before it) or
+    None is None."""
+    return None if data.get(name) is None else _typed(data, name, str)
 
 
 def _strings(data: dict[str, Any], name: str) -> list[str]:
