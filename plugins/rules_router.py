@@ -11,16 +11,35 @@ domains; this plugin adds shell-style patterns on the full addresses, for exampl
     ]
 
 The first rule whose patterns all match wins; a recipient no rule matches keeps the zone
-the built-in rules gave it.
+the built-in rules gave it.  Addresses and patterns compare case-insensitively, and a
+domain's U-labels as their A-labels, as zoneq's own rules compare domains: ``*@bücher.test``
+matches ``u@bücher.test`` and ``u@xn--bcher-kva.test`` alike.
 """
 
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from zoneq.plugin import Hook, OptionError, PluginApp, RouteArgs
+from zoneq.plugin import Hook, OptionError, PluginApp, RouteArgs, normal_domain
+
+
+def address_form(address: str) -> str:
+    """``address``, or a pattern of one, as the rules compare it: lower-cased, each label of
+    its domain an A-label.  RFC 5890 section 2.3.2.1: a U-label and its A-label are one
+    name, so ``bücher.test`` and ``xn--bcher-kva.test`` must route alike (zoneq's own rules
+    do, ``zoneq/queue/routing.py``).  Label by label, so that a pattern's ``*`` and ``?``
+    survive in ASCII labels (IDNA refuses them; ``normal_domain`` then keeps the label
+    lower-cased as it is).
+
+    Local parts are lower-cased too: in practice mailbox providers ignore their case,
+    though RFC 5321 section 2.4 lets them not to.
+    """
+    local, at, domain = address.rpartition("@")
+    if not at:
+        return address.lower()
+    return f"{local.lower()}@{'.'.join(normal_domain(label) for label in domain.split('.'))}"
 
 
 class Rule(BaseModel):
@@ -30,6 +49,11 @@ class Rule(BaseModel):
     sender: str | None = None
     recipient: str | None = None
 
+    @field_validator("sender", "recipient")
+    @classmethod
+    def _compared_form(cls, pattern: str | None) -> str | None:
+        return None if pattern is None else address_form(pattern)
+
     @model_validator(mode="after")
     def _needs_a_pattern(self) -> Rule:
         if self.sender is None and self.recipient is None:
@@ -37,10 +61,9 @@ class Rule(BaseModel):
         return self
 
     def matches(self, sender: str, recipient: str) -> bool:
-        # Addresses compare case-insensitively here: in practice mailbox providers ignore
-        # local-part case, though RFC 5321 section 2.4 lets them not to.
+        """Whether the addresses, in ``address_form``, fit the rule's patterns."""
         return all(
-            pattern is None or fnmatchcase(value.lower(), pattern.lower())
+            pattern is None or fnmatchcase(value, pattern)
             for pattern, value in ((self.sender, sender), (self.recipient, recipient))
         )
 
@@ -64,8 +87,9 @@ def init(app: PluginApp) -> None:
 
     # Plain (not async) is fine for work this small; the host runs it in a thread.
     def route(args: RouteArgs) -> str | None:
+        sender, recipient = address_form(args.sender), address_form(args.recipient)
         for rule in options.rules:
-            if rule.matches(args.sender, args.recipient):
+            if rule.matches(sender, recipient):
                 return rule.zone
         return None
 
