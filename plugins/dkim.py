@@ -262,6 +262,25 @@ def _configured(options: Options) -> list[tuple[str, tuple[str | int, ...], Doma
     return out
 
 
+def _respelt(options: Options) -> list[OptionError]:
+    """A domain given twice, in two spellings (case, a U-label and its A-label): its keys
+    would be pooled, unchecked for a repeated selector, so a message could carry a
+    signature whose ``s=`` names another key's record, failing every verification."""
+    first: dict[str, str] = {}
+    faults = []
+    for domain in options.domains:
+        name = bare_domain(domain)
+        if first.setdefault(name, domain) != domain:
+            faults.append(
+                OptionError(
+                    ("domains", domain),
+                    f"names the domain {first[name]!r} names ({name}): give all its keys "
+                    "in one entry",
+                )
+            )
+    return faults
+
+
 class Signer:
     def __init__(self, options: Options) -> None:
         self.headers = [name.encode() for name in options.headers]
@@ -271,7 +290,7 @@ class Signer:
         # and one under "xn--bcher-kva.example" name the same domain, as do the From
         # addresses that use either form.
         self.keys: dict[str, tuple[SigningKey, ...]] = {}
-        faults: list[OptionError] = []
+        faults = _respelt(options)
         for domain, where, key in _configured(options):
             try:
                 loaded = self._checked(bare_domain(domain), key)

@@ -263,3 +263,19 @@ def test_both_signatures_go_out_and_verify_at_the_sink(
     assert message.count(b"DKIM-Signature:") == 2
     lookup = dns({b"rsa": rsa_key[1], b"ed": ed25519_key.txt})
     assert [verifies(message, i, lookup) for i in range(2)] == [True, True]
+
+
+@pytest.mark.parametrize("other", ["Shop.EXAMPLE", "shop.example."])
+def test_one_domain_in_two_spellings_is_refused(
+    tmp_path: Path, rsa_key: tuple[bytes, bytes], other: str
+) -> None:
+    """Pooled, the two entries' keys went unchecked for a repeated selector: a message
+    carried a signature whose s= named another key's record, failing every verification."""
+    key_file = tmp_path / "rsa.pem"
+    key_file.write_bytes(rsa_key[0])
+    entry = {"selector": "s1", "key_file": str(key_file)}
+    options = {"domains": {"shop.example": entry, other: entry}}
+    with pytest.raises(ConfigError) as info:
+        host_with({"dkim": {"module": BUNDLED / "dkim.py", "options": options}})
+    assert info.value.key == f'plugins.dkim.options.domains."{other}"'
+    assert "'shop.example'" in info.value.problem and "one entry" in info.value.problem
