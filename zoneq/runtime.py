@@ -111,12 +111,41 @@ def open_store(config: Config) -> QueueStore:
 def describe(store: QueueStore) -> str:
     parts = [f"{store.message_count()} message(s) queued"]
     for zone in sorted(store.zones()):
-        counts = ", ".join(
-            f"{state.value} {store.count(zone, state)}"
-            for state in (State.READY, State.DEFERRED, State.HELD)
-        )
-        parts.append(f"zone {zone}: {counts}")
+        parts.append(f"zone {zone}: {_zone_counts(store, zone)}")
     return "; ".join(parts)
+
+
+async def move_unconfigured(store: QueueStore, config: Config) -> None:
+    """Move the recipients of every stored zone the config no longer has (removed or
+    renamed) into configured ones: zoneq's own notices to ``routing.bounce_zone``, the rest
+    to ``routing.default_zone``.  Only configured zones get workers, so left there they
+    would never be tried, never expire and never bounce.  Batched and crash-safe, so a
+    stop midway is finished by the next start (``zoneq/storage/moves.py``)."""
+    default, notices = config.routing.default_zone, config.routing.bounce_zone
+    for zone in sorted(store.zones() - set(config.zones)):
+        log.warning(
+            "zone %s is not in the config but holds %s: moving them to zone %s (zoneq's own "
+            "notices to zone %s)",
+            zone,
+            _zone_counts(store, zone),
+            default,
+            notices,
+        )
+        try:
+            moved = await store.move_zone(zone, default, notices_to=notices)
+        except StorageUnavailable as exc:
+            # Mail for the configured zones still flows; what was moved stays moved, and
+            # the next start moves the rest.
+            log.error("zone %s: its recipients were not all moved: %s", zone, exc)
+            continue
+        log.warning("zone %s: %d recipient(s) moved", zone, moved.moved)
+
+
+def _zone_counts(store: QueueStore, zone: str) -> str:
+    return ", ".join(
+        f"{state.value} {store.count(zone, state)}"
+        for state in (State.READY, State.DEFERRED, State.HELD)
+    )
 
 
 async def maintain(store: QueueStore, config: Config) -> None:
@@ -159,11 +188,13 @@ async def serve(
     # close.  A closing terminal or ssh session sends it; zoneq has no reload to offer.
     loop.add_signal_handler(signal.SIGHUP, _hangup_ignored)
     store = open_store(config)
-    log.info("queue open at %s: %s", config.server.data_dir, describe(store))
     async with contextlib.AsyncExitStack() as running:
         # Unwound in reverse on the way out, so the receiver (started last of the servers
         # that take mail) is the first thing stopped: no new mail while the rest winds down.
         running.push_async_callback(store.close)
+        # Before the service, so its zones and the workers see the moved recipients.
+        await move_unconfigured(store, config)
+        log.info("queue open at %s: %s", config.server.data_dir, describe(store))
         # The core's plugin host hears every committed outcome (the outcome hooks); the
         # workers load their own for the send-time hooks.
         plugins = PluginHost.from_config(config)

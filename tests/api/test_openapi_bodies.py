@@ -171,6 +171,9 @@ async def test_every_operation_answers_as_documented(store: QueueStore, tmp_path
         assert paused == {"zone": "default", "paused": True}
         resumed = await check.call("POST", zone + "/resume", "/api/v1/zones/default/resume")
         assert resumed == {"zone": "default", "paused": False}
+        move = {"to": "default", "state": "held"}  # none held: the purge below sees all
+        moved = await check.call("POST", zone + "/move", "/api/v1/zones/bulk/move", json=move)
+        assert moved == {"count": 0, "in_flight": 0}
 
         events = await check.call("GET", "/api/v1/export/events")
         assert events, "retries and holds wrote no events"

@@ -239,6 +239,17 @@ def _release(api: ApiClient, args: argparse.Namespace) -> Result:
     return body, _counted("released")(body)
 
 
+def _move(api: ApiClient, args: argparse.Namespace) -> Result:
+    move = {"to": args.to, "state": args.state}
+    body = api.call(
+        "POST",
+        V1 + quoted_path("zones", args.zone, "move"),
+        json_body={k: v for k, v in move.items() if v is not None},
+    )
+    text = f"{body['count']} moved, {body['in_flight']} in flight left"
+    return body, text
+
+
 def _pause(api: ApiClient, args: argparse.Namespace) -> Result:
     body = api.call("POST", V1 + quoted_path("zones", args.zone, "pause"))
     return body, f"zone {args.zone} paused"
@@ -344,6 +355,10 @@ def register(sub: Any) -> None:
             parser.add_argument("--domain", default=None, help="a destination domain")
         if name == "hold":
             parser.add_argument("--reason", default="held by administrator")
+    move = add("move", "move a zone's recipients to another zone, each in its state", _move)
+    move.add_argument("--zone", required=True, help="the zone they are in")
+    move.add_argument("--to", required=True, help="a configured zone")
+    move.add_argument("--state", choices=("ready", "deferred", "held"))
     add("pause", "stop a zone's deliveries (mail still queues)", _pause).add_argument("zone")
     add("resume", "resume a zone's deliveries", _resume).add_argument("zone")
 

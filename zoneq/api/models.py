@@ -131,6 +131,22 @@ class HoldCount(_Body):
     )
 
 
+class MoveRequest(_Body):
+    to: str = Field(description="the configured zone to move them to")
+    state: Literal[State.READY, State.DEFERRED, State.HELD] | None = Field(
+        default=None, description="only the recipients in this state; absent: every one"
+    )
+
+    _to = field_validator("to")(not_empty)
+
+
+class MoveCount(_Body):
+    """A zone's move: moved now, and on the wire (leased), left in the zone."""
+
+    count: int = Field(description="recipients moved, each in the state it was in")
+    in_flight: int = Field(description="recipients on the wire (leased): left where they are")
+
+
 class ZoneCounts(_Body):
     ready: int
     leased: int

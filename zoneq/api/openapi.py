@@ -261,6 +261,16 @@ PATHS: Final[dict[str, dict[str, Any]]] = {
     "/api/v1/zones/{zone}/release": {
         "post": _op("Release the zone's held recipients", COUNT, params=(ZONE,), errors=(404, 503))
     },
+    "/api/v1/zones/{zone}/move": {
+        "post": _op(
+            "Move the zone's recipients (or those in one state) to another configured zone,"
+            " each in its state (a deferred one keeps its due time); those on the wire stay",
+            _json(models.MoveCount, "moved (count), and left on the wire (in_flight)"),
+            params=(ZONE,),
+            body={JSON: {"schema": _ref(models.MoveRequest)}},
+            errors=(400, 404, 503),
+        )
+    },
     "/api/v1/zones/{zone}/pause": {
         "post": _op(
             "Stop the zone's deliveries (mail still queues); survives a restart",
@@ -363,6 +373,8 @@ SCHEMAS: Final = (
     models.HoldRequest,
     models.Count,
     models.HoldCount,
+    models.MoveRequest,
+    models.MoveCount,
     models.QueueCounts,
     models.ZoneCounts,
     models.ZoneState,

@@ -1,4 +1,4 @@
-"""Changing the queue: delete, purge, retry, hold, release, pause, resume.
+"""Changing the queue: delete, purge, retry, hold, release, move, pause, resume.
 
 Zone-wide operations answer with how many recipients they changed (0 is an answer); one
 message's hold, release or retry that changes nothing is 409, since the caller named a
@@ -15,7 +15,16 @@ from aiohttp import web
 from zoneq.api.browse import message_id
 from zoneq.api.context import context
 from zoneq.api.errors import BadRequest, Conflict, parse_body
-from zoneq.api.models import Count, HoldCount, HoldRequest, Selection, ZoneState, domain_filter
+from zoneq.api.models import (
+    Count,
+    HoldCount,
+    HoldRequest,
+    MoveCount,
+    MoveRequest,
+    Selection,
+    ZoneState,
+    domain_filter,
+)
 from zoneq.protocol.ids import format_id
 from zoneq.protocol.retry import parse_duration
 from zoneq.queue import admin
@@ -121,6 +130,18 @@ async def hold_zone(request: web.Request) -> web.Response:
 
 async def release_zone(request: web.Request) -> web.Response:
     return _count(await context(request).admin.release_zone(request.match_info["zone"]))
+
+
+async def move_zone(request: web.Request) -> web.Response:
+    """The zone's recipients (``state`` to narrow) go to the configured zone ``to``, each
+    in the state it is in; those on the wire stay, counted as ``in_flight``."""
+    zone = request.match_info["zone"]
+    body = parse_body(MoveRequest, await request.read())
+    if body.to == zone:
+        raise BadRequest(f"to: {zone!r} is the zone they are in")
+    state = None if body.state is None else State(body.state)
+    moved = await context(request).admin.move(zone, body.to, state)
+    return web.json_response(MoveCount(count=moved.moved, in_flight=moved.in_flight).model_dump())
 
 
 async def pause_zone(request: web.Request) -> web.Response:

@@ -30,6 +30,7 @@ ROUTES: Final[tuple[tuple[str, str, Handler], ...]] = (
     ("POST", f"{V1}/zones/{{zone}}/retry", operations.retry_zone),
     ("POST", f"{V1}/zones/{{zone}}/hold", operations.hold_zone),
     ("POST", f"{V1}/zones/{{zone}}/release", operations.release_zone),
+    ("POST", f"{V1}/zones/{{zone}}/move", operations.move_zone),
     ("POST", f"{V1}/zones/{{zone}}/pause", operations.pause_zone),
     ("POST", f"{V1}/zones/{{zone}}/resume", operations.resume_zone),
     ("POST", f"{V1}/domains/{{domain}}/retry", operations.retry_domain),

@@ -2,7 +2,8 @@
 
 After Postfix's ``postsuper`` / ``postqueue`` and Apache James's queue administration:
 browse a zone oldest-first, delete a message or one recipient, purge by filter, retry now
-(message, domain or zone), hold and release (message or zone), pause and resume a zone.
+(message, domain or zone), hold and release (message or zone), pause and resume a zone, and
+move a zone's recipients to another.
 
 Operations over a whole zone walk it a page at a time (``store.browse``: one seek per page
 at any depth) and act on each page's chosen recipients in one batch of the store's
@@ -34,6 +35,7 @@ from zoneq.protocol.ids import id_time_ms
 from zoneq.queue.service import HoldCount, QueueService
 from zoneq.storage import keys
 from zoneq.storage.base import STATE_FAMILY, QueuedRecipient
+from zoneq.storage.moves import Moved
 from zoneq.storage.records import Recipient, State, domain_is, recipient_domain
 from zoneq.storage.store import QueueStore
 
@@ -264,6 +266,20 @@ class QueueAdmin:
         self.check_zone(zone)
         await self.store.unmark_zone(zone)
         return await self._walk(zone, State.HELD, lambda _: True, self.store.ready_many)
+
+    async def move(self, zone: str, to: str, state: State | None = None) -> Moved:
+        """Move a zone's recipients (only those in ``state``, if given) to ``to``, a
+        configured zone, each in the state it is in (``storage/moves.py``).  Those on the
+        wire stay (``Moved.in_flight``): their worker's report must find them."""
+        self.check_zone(zone)
+        if to not in self._configured:
+            # A zone without a worker would strand them as the old one did.
+            raise NotFound(f"no zone {to!r} in the config to move to")
+        states = [state] if state is not None else list(QUEUED_STATES)
+        # Nothing of the zone is leased during the walk, and its jobs not handed out yet
+        # go back to the store first, so they are moved with the rest (as ``hold_zone``).
+        with self.service.holding(zone):
+            return await self.store.move_zone(zone, to, states=states, batch=self.batch)
 
     async def pause(self, zone: str) -> None:
         await self.service.pause(self.check_zone(zone))

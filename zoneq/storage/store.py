@@ -60,6 +60,7 @@ from zoneq.storage.held import Held, HeldMixin, notice_size
 from zoneq.storage.holdmarks import unmark
 from zoneq.storage.leveldb import Database, Op
 from zoneq.storage.maintenance import MaintenanceMixin
+from zoneq.storage.moves import MovesMixin
 from zoneq.storage.owed import Owed, OwedMixin
 from zoneq.storage.records import (
     MessageMeta,
@@ -97,7 +98,7 @@ class DroppedRecipient:
     reason: str
 
 
-class QueueStore(AdminMixin, BulkMixin, MaintenanceMixin, HeldMixin, OwedMixin):
+class QueueStore(AdminMixin, BulkMixin, MovesMixin, MaintenanceMixin, HeldMixin, OwedMixin):
     """The LevelDB queue of one zoneq node.  Create with :meth:`open`, then :meth:`recover`."""
 
     @classmethod
