@@ -92,4 +92,6 @@ def test_a_reader_gone_is_no_traceback(args: tuple[str, ...]) -> None:
     finally:
         os.close(write)
     assert done.returncode == 1, done.stderr
-    assert done.stderr == ""
+    # Only check-config's own warnings (the built-in config's hostname on a machine without
+    # a FQDN) go to stderr: nothing about the closed pipe.
+    assert all(": warning: " in line for line in done.stderr.splitlines()), done.stderr

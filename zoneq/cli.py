@@ -92,6 +92,8 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     warnings: list[str] = []
     if config is not None:  # and the API token, read as serve reads it
         problems += _token_problems(config, warnings)
+        if (warning := config.server.hostname_warning()) is not None:  # serve logs it too
+            warnings.append(warning)
     where = path if path is not None else "the built-in configuration"
     for line in warnings:
         print(f"{where}: warning: {line}", file=sys.stderr)

@@ -195,6 +195,8 @@ async def serve(
         # Before the service, so its zones and the workers see the moved recipients.
         await move_unconfigured(store, config)
         log.info("queue open at %s: %s", config.server.data_dir, describe(store))
+        if (warning := config.server.hostname_warning()) is not None:  # RFC 5321 4.1.1.1
+            log.warning("%s", warning)
         # The core's plugin host hears every committed outcome (the outcome hooks); the
         # workers load their own for the send-time hooks.
         plugins = PluginHost.from_config(config)

@@ -7,6 +7,7 @@ real servers); what is checked is how their answers become per-recipient reports
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from zoneq.delivery.attempt import Settings, attempt, owes_relayed_notice
 from zoneq.delivery.hostcache import DeadHostCache
 from zoneq.delivery.mx import MxHost, MxKind, MxResult
 from zoneq.delivery.results import RecipientResult, TransactionResult
+from zoneq.delivery.transport import TlsPolicy
 from zoneq.ipc.messages import Job, JobRecipient, Outcome
 from zoneq.protocol.dsn import Notify
 from zoneq.protocol.replies import EnhancedStatus, Reply, Stage, Verdict
@@ -198,6 +200,23 @@ def test_a_domain_that_requires_tls_gets_the_required_policy() -> None:
     assert seen == [TlsPolicy.REQUIRED]
     assert settings.tls_for("OK.test") is TlsPolicy.REQUIRED
     assert settings.tls_for("other.test") is TlsPolicy.OPPORTUNISTIC
+
+
+@pytest.mark.parametrize(
+    ("domain", "expected"),
+    [
+        ("sub.ok.test", TlsPolicy.REQUIRED),  # ".ok.test": every name below ok.test
+        ("ok.test", TlsPolicy.NONE),  # but not ok.test itself
+        ("open.ok.test", TlsPolicy.OPPORTUNISTIC),  # an exact key beats a parent's
+        ("other.test", TlsPolicy.NONE),
+    ],
+)
+def test_tls_for_takes_a_dotted_parent_key_as_the_config_does(
+    domain: str, expected: TlsPolicy
+) -> None:
+    policy = {".ok.test": TlsPolicy.REQUIRED, "open.ok.test": TlsPolicy.OPPORTUNISTIC}
+    settings = replace(SETTINGS, tls=TlsPolicy.NONE, tls_policy=policy)
+    assert settings.tls_for(domain) is expected
 
 
 def _taken(extensions: frozenset[str]) -> Any:

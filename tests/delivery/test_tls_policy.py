@@ -28,22 +28,30 @@ __all__ = ["tls_files"]  # the fixture, imported for pytest
 POLICY = {"tls_policy": {"secure.test": "required"}}
 
 
+@pytest.mark.parametrize(
+    ("policy", "secure"),
+    [
+        (POLICY, "secure.test"),
+        # A ".parent" key covers every name below it (as domain_limits' keys do).
+        ({"tls_policy": {".secure.test": "required"}}, "sub.secure.test"),
+    ],
+)
 def test_required_tls_defers_a_domain_whose_mx_offers_none_and_sends_it_nothing(
-    tmp_path: Path,
+    tmp_path: Path, policy: dict[str, dict[str, str]], secure: str
 ) -> None:
     with (
         run_smtp_sink() as sink,
-        dns_for(tmp_path, ["ok.test", "secure.test"], sink.host) as dns,
+        dns_for(tmp_path, ["ok.test", secure], sink.host) as dns,
     ):
-        # The zone's own policy is "none" (config_for): only secure.test requires TLS.
-        config = config_for(tmp_path, dns, sink.port, delivery=POLICY)
+        # The zone's own policy is "none" (config_for): only the secure domain requires TLS.
+        config = config_for(tmp_path, dns, sink.port, delivery=policy)
 
         async def main() -> None:
             async with running(config) as core:
-                await core.queue(["a@secure.test", "b@ok.test"])
+                await core.queue([f"a@{secure}", "b@ok.test"])
                 await core.until(lambda: bool(core.events("deferred") and core.events("delivered")))
                 (deferred,) = core.events("deferred")
-                assert deferred.recipient == "a@secure.test"
+                assert deferred.recipient == f"a@{secure}"
                 # RFC 3463 section 3.8: X.7.4 security features not supported, temporary.
                 assert deferred.enhanced == "4.7.4"
                 assert deferred.text is not None and "STARTTLS" in deferred.text
@@ -53,7 +61,7 @@ def test_required_tls_defers_a_domain_whose_mx_offers_none_and_sends_it_nothing(
 
         asyncio.run(main())
         received = sink.messages(1)
-    # Only ok.test's transaction reached the sink: not even the envelope of secure.test.
+    # Only ok.test's transaction reached the sink: not even the secure domain's envelope.
     assert [m.rcpt_args for m in received] == [["<b@ok.test>"]]
 
 

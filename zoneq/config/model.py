@@ -52,12 +52,12 @@ from zoneq.config.types import (
     SocketPath,
     ZoneName,
     domain_keys,
+    domain_lookup,
     duration_ceiling_problem,
     problems_error,
 )
 from zoneq.config.types import Section as _Section
 from zoneq.config.zones import ConnectionLimits, IpAddress, Pool, Rate, Smarthost, parse_rate
-from zoneq.protocol.domains import bare_domain
 from zoneq.protocol.dsn import check_from_address
 from zoneq.protocol.retry import (
     BOUNCE_MAX_AGE,
@@ -120,11 +120,36 @@ def _check_bounce_from(value: str) -> str:
     return value
 
 
+# Names a machine calls itself that no other host can use for it: /etc/hosts often maps
+# 127.0.0.1 to them first, so socket.getfqdn() answers one of them.
+_LOCAL_NAMES: Final = frozenset({"localhost", "localhost.localdomain"})
+
+
+def _qualified(name: str) -> bool:
+    """Whether ``name`` can stand as an EHLO domain (RFC 5321 sections 2.3.5 and 4.1.1.1:
+    a fully-qualified name): dotted and not the loopback's name.  An address literal
+    (``[192.0.2.1]``) is the other form the RFC allows."""
+    name = name.lower().rstrip(".")
+    if name.startswith("["):
+        return name.endswith("]")
+    return "." in name and name not in _LOCAL_NAMES
+
+
+def machine_hostname() -> str:
+    """This machine's own name for EHLO when ``[server] hostname`` is unset: the FQDN when
+    it is one, else the host name when dotted, else the best of them (not "localhost" if
+    there is another), which ``ServerConfig.hostname_warning`` then reports."""
+    found = [socket.getfqdn(), socket.gethostname()]
+    usable = [name for name in found if name and name.lower() not in _LOCAL_NAMES]
+    return next((name for name in usable if _qualified(name)), (usable or found)[0])
+
+
 class ServerConfig(_Section):
     """``[server]``: who we are and where the queue lives."""
 
     hostname: HostName | None = None
-    """EHLO and Reporting-MTA name; None means the machine's FQDN, looked up at start-up."""
+    """EHLO and Reporting-MTA name; None means the machine's FQDN, looked up at start-up
+    (``machine_hostname``: never "localhost" when the machine has a better name)."""
 
     bounce_from: Annotated[str, AfterValidator(_check_bounce_from)] | None = None
     """The From address of the notices (bounces, delay notices) zoneq sends; None means
@@ -142,7 +167,22 @@ class ServerConfig(_Section):
         Looked up here rather than at validation so that loading (and checking) a config
         never depends on the resolver of the machine doing the checking.
         """
-        return self.hostname if self.hostname is not None else socket.getfqdn()
+        return self.hostname if self.hostname is not None else machine_hostname()
+
+    def hostname_warning(self) -> str | None:
+        """Why the EHLO name is a poor one, or None.  Not an error: tests and a laptop's
+        set-up use such names; but receivers refuse or score a HELO that is not a FQDN
+        (RFC 5321 section 4.1.1.1; Postfix's reject_non_fqdn_helo_hostname), and it is
+        also the Reporting-MTA and the MAILER-DAEMON domain of the notices."""
+        name = self.resolved_hostname()
+        if _qualified(name):
+            return None
+        whose = "" if self.hostname is not None else " (unset: this machine's own name)"
+        return (
+            f"server.hostname {name!r}{whose} is not a fully-qualified domain name: remote"
+            " MX hosts may refuse its EHLO; set [server] hostname to this host's public"
+            " name, the one its address's PTR record gives"
+        )
 
 
 class StorageConfig(_Section):
@@ -327,9 +367,10 @@ class DeliveryConfig(_Section):
     (then mail to it waits with 4.7.x rather than ever going in plaintext)."""
 
     def tls_for(self, domain: str) -> str:
-        """The STARTTLS policy for mail to ``domain`` (the keys' normal form: case and
-        U-label or A-label do not matter)."""
-        return self.tls_policy.get(bare_domain(domain), self.tls)
+        """The STARTTLS policy for mail to ``domain``: its own key, else the closest
+        ``.parent`` key (``domain_lookup``), else ``tls``."""
+        found = domain_lookup(self.tls_policy, domain)
+        return self.tls if found is None else found
 
     @field_validator("tls_policy")
     @classmethod

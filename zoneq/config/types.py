@@ -10,13 +10,14 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Final, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ByteSize, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from zoneq.protocol.domains import a_label
+from zoneq.protocol.domains import a_label, bare_domain
 from zoneq.protocol.retry import parse_duration
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "TimeLimit",
     "ZoneName",
     "domain_keys",
+    "domain_lookup",
     "domain_name",
     "problems_error",
     "time_limit_s",
@@ -75,6 +77,12 @@ def domain_name(value: str) -> str:
     in the configuration it is a typo to point out, not a destination to match.
     """
     name = value.lower().rstrip(".")
+    if name.startswith("*."):
+        # Nothing matches a "*" label (DNS wildcards are the zone's business, RFC 4592),
+        # so such a key would be kept and never apply: mail meant for TLS-only would go
+        # out in plaintext.  Postfix's maps spell "every name below" with a leading dot.
+        below = name.removeprefix("*")
+        raise ValueError(f"invalid domain {value!r}: write {below!r} for every name below it")
     dot = "." if name.startswith(".") else ""
     try:
         return dot + a_label(name.removeprefix(dot))
@@ -103,6 +111,24 @@ def domain_keys(value: dict[str, _V]) -> dict[str, _V]:
     if problems:
         raise problems_error(*problems)
     return out
+
+
+def domain_lookup(table: Mapping[str, _V], name: str) -> _V | None:
+    """The entry for ``name`` in a table whose keys ``domain_keys`` made: the exact name
+    first, then the closest parent written with a leading dot (``.example.com`` for
+    ``mx.example.com``, never for ``example.com`` itself, as in Postfix's transport and TLS
+    policy maps); None when nothing matches (the caller's default applies).  ``name`` is
+    put in the keys' normal form first, so a U-label finds its A-label's entry (a record
+    queued before domains were normalised has one)."""
+    name = bare_domain(name)
+    if name in table:
+        return table[name]
+    labels = name.split(".")
+    for start in range(1, len(labels)):
+        parent = "." + ".".join(labels[start:])
+        if parent in table:
+            return table[parent]
+    return None
 
 
 MAX_DURATION: Final = "36500d"

@@ -14,8 +14,7 @@ from typing import Annotated, Final, Literal, Self
 from pydantic import AfterValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from zoneq.config.types import HostName, Section, domain_keys, problems_error
-from zoneq.protocol.domains import bare_domain
+from zoneq.config.types import HostName, Section, domain_keys, domain_lookup, problems_error
 
 __all__ = [
     "ConnectionLimits",
@@ -108,19 +107,9 @@ leading dot matches every name below it (Postfix's transport map convention)."""
 
 
 def limit_for(limits: dict[str, int], name: str) -> int | None:
-    """The limit for ``name`` in ``limits``: the exact name first, then the closest parent
-    written with a leading dot; None when nothing matches (the caller's default applies).
-    ``name`` is put in the keys' normal form (``domain_keys``) first, so a U-label finds
-    its A-label's limit (a record queued before domains were normalised has one)."""
-    name = bare_domain(name)
-    if name in limits:
-        return limits[name]
-    labels = name.split(".")
-    for start in range(1, len(labels)):
-        parent = "." + ".".join(labels[start:])
-        if parent in limits:
-            return limits[parent]
-    return None
+    """The limit for ``name`` in ``limits`` (``domain_lookup``: the exact name, then the
+    closest ``.parent``); None when nothing matches (the caller's default applies)."""
+    return domain_lookup(limits, name)
 
 
 class PoolAddress(Section):

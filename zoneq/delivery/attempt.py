@@ -72,6 +72,7 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from zoneq.config.types import domain_lookup
 from zoneq.delivery.headers import OutgoingBody
 from zoneq.delivery.hostcache import DeadHostCache
 from zoneq.delivery.mx import MxHost, MxKind, MxResolver, MxResult
@@ -90,7 +91,7 @@ from zoneq.delivery.transport import (
 from zoneq.delivery.transport.data import body_damaged
 from zoneq.ipc.messages import Job, Outcome, RecipientReport
 from zoneq.plugin import ConnectArgs, Hook, PluginFailure, PluginHost, SenderHeadersArgs
-from zoneq.protocol.domains import ascii_address, bare_domain
+from zoneq.protocol.domains import ascii_address
 from zoneq.protocol.dsn import Notify, Ret
 from zoneq.protocol.ids import format_id
 from zoneq.protocol.replies import DAMAGED_BODY, EnhancedStatus, Reply, Verdict
@@ -138,9 +139,9 @@ class Settings:
     def tls_for(self, domain: str) -> TlsPolicy:
         if self.relay is not None:
             return self.relay.tls
-        # The policy's keys are A-labels (config); a job queued before domains were
-        # normalised may still carry a U-label.
-        return self.tls_policy.get(bare_domain(domain), self.tls)
+        # The config's own lookup: the exact name, then the closest ".parent" key.
+        found = domain_lookup(self.tls_policy, domain)
+        return self.tls if found is None else found
 
     @property
     def families(self) -> frozenset[int] | None:
