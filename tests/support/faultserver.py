@@ -47,6 +47,11 @@ class Faults:
     dsn: bool = True
     smtputf8: bool = False
     size: int | None = None  # advertised SIZE limit; None: no SIZE keyword
+    # The EHLO keywords after STARTTLS, instead of those the fields above give (None: the
+    # same, less STARTTLS).  RFC 3207 section 4.2: a server may offer other extensions
+    # under TLS, and the client must forget what it learnt before.
+    tls_keywords: tuple[bytes, ...] | None = None
+    auth_reply: bytes | None = None  # offer AUTH PLAIN LOGIN, answer every AUTH with this
     mail_reply: bytes = b"250 2.1.0 Ok"
     rcpt_replies: dict[int, bytes] = field(default_factory=dict)  # n-th RCPT of a transaction
     max_recipients: int | None = None  # then 452 4.5.3 for every further RCPT
@@ -195,6 +200,8 @@ class FaultServer:
                 await send(rcpt.reply(f))
             elif verb == b"DATA":
                 keep_going = await self._data(reader, session, send)
+            elif verb == b"AUTH" and f.auth_reply is not None:
+                await send(f.auth_reply)
             else:
                 await send(simple.get(verb, b"502 5.5.2 Error: command not recognized"))
                 keep_going = verb != b"QUIT"
@@ -228,8 +235,14 @@ class FaultServer:
         return not f.end_reply.startswith(b"421")
 
     def _ehlo_lines(self, session: Session) -> list[bytes]:
+        keywords = [b"fault.test", *self._keywords(session)]
+        return [b"250-" + k for k in keywords[:-1]] + [b"250 " + keywords[-1]]
+
+    def _keywords(self, session: Session) -> list[bytes]:
         f = self.faults
-        keywords = [b"fault.test"]
+        if session.tls and f.tls_keywords is not None:
+            return list(f.tls_keywords)
+        keywords = []
         if f.pipelining:
             keywords.append(b"PIPELINING")
         if f.size is not None:
@@ -242,8 +255,10 @@ class FaultServer:
             keywords.append(b"DSN")
         if f.smtputf8:
             keywords.append(b"SMTPUTF8")
+        if f.auth_reply is not None:
+            keywords.append(b"AUTH PLAIN LOGIN")
         keywords.append(b"ENHANCEDSTATUSCODES")
-        return [b"250-" + k for k in keywords[:-1]] + [b"250 " + keywords[-1]]
+        return keywords
 
     async def _payload(self, reader: asyncio.StreamReader, session: Session) -> None:
         """Read a DATA payload up to and including the ``.`` CRLF line."""

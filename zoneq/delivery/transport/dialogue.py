@@ -30,13 +30,22 @@ the fault is in our configuration, not in the mail, which must wait rather than 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from dataclasses import dataclass, field
 from typing import cast
 
 import aiosmtplib
 
-from zoneq.delivery.transport.abort import NO_ANSWER, NO_AUTH, NO_TLS, TLS_FAILED, Abort, lost
+from zoneq.delivery.transport.abort import (
+    BAD_CONNECTION,
+    NO_ANSWER,
+    NO_AUTH,
+    NO_TLS,
+    TLS_FAILED,
+    Abort,
+    lost,
+)
 from zoneq.delivery.transport.cache import Connection
 from zoneq.delivery.transport.channel import Channel
 from zoneq.delivery.transport.options import Timeouts, TlsPolicy
@@ -97,6 +106,7 @@ async def open_session(dest: Destination, seen: Seen) -> Connection:
                     seen.extensions = await _hello(smtp, dest)
                 elif required:
                     reply, status, detail = failure
+                    await _quit_if_refused(smtp, dest, reply)
                     raise Abort(
                         Stage.STARTTLS, Verdict.NEXT_HOST, reply=reply, status=status, detail=detail
                     )
@@ -105,10 +115,12 @@ async def open_session(dest: Destination, seen: Seen) -> Connection:
                     # TLS.  A new connection: after a failed handshake the old one is in no
                     # known state.
                     seen.tls_fallback = failure[2]
+                    await _quit_if_refused(smtp, dest, failure[0])
                     smtp.close()
                     smtp = await _connect(dest, seen)
                     seen.extensions = await _hello(smtp, dest)
             elif required:
+                await _quit(smtp, dest)
                 raise Abort(
                     Stage.STARTTLS,
                     Verdict.NEXT_HOST,
@@ -116,7 +128,12 @@ async def open_session(dest: Destination, seen: Seen) -> Connection:
                     detail="TLS is required, but STARTTLS was not offered by the host",
                 )
         if dest.auth is not None:
-            await _login(smtp, dest, seen)
+            try:
+                await _login(smtp, dest, seen)
+            except Abort as abort:
+                if abort.status is not BAD_CONNECTION:  # refused in step: see ``_login``
+                    await _quit(smtp, dest)
+                raise
         transport = smtp.transport
         if transport is None or transport.is_closing():
             raise lost(Stage.EHLO, "connection closed")
@@ -204,6 +221,24 @@ async def _hello(smtp: aiosmtplib.SMTP, dest: Destination) -> dict[str, str]:
     except (aiosmtplib.SMTPException, OSError) as exc:
         raise lost(Stage.EHLO, exc) from None
     return {key.upper(): value for key, value in smtp.esmtp_extensions.items()}
+
+
+async def _quit_if_refused(smtp: aiosmtplib.SMTP, dest: Destination, reply: Reply | None) -> None:
+    """QUIT after a STARTTLS refusal (a reply read in step: ``_starttls`` gives one only
+    then), not after a failed handshake, where the connection is in no known state."""
+    if reply is not None:
+        await _quit(smtp, dest)
+
+
+async def _quit(smtp: aiosmtplib.SMTP, dest: Destination) -> None:
+    """Say QUIT on a session ended by our own refusal (no TLS, credentials not taken) with
+    every reply read in step.  RFC 5321 section 4.1.1.10: the client MUST NOT close the
+    connection before it has sent QUIT, and SHOULD wait for the reply; a server counts a
+    bare close as a lost session.  Whatever happens here, the outcome is already decided."""
+    if not smtp.is_connected:
+        return
+    with contextlib.suppress(aiosmtplib.SMTPException, OSError):  # the caller closes anyway
+        await smtp.quit(timeout=dest.timeouts.quit)
 
 
 async def _login(smtp: aiosmtplib.SMTP, dest: Destination, seen: Seen) -> None:
