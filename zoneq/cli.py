@@ -30,7 +30,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # Read once: this text, not the file as it may be edited later, is what every
         # worker runs (the supervisor hands it to them; there is no reload).
         text = read_config_text(args.config)
-        config = loads_config(text, source=config_source(args.config))
+        # serving: serve binds the listen addresses, so they must be this host's (found
+        # here, before the queue opens); its children are handed the sockets.
+        config = loads_config(text, source=config_source(args.config), serving=True)
     except ConfigError as exc:
         print(f"zoneq: configuration error:\n{exc}", file=sys.stderr)
         return 2

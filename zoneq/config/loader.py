@@ -95,13 +95,14 @@ def default_config_text() -> str:
     return resources.files("zoneq.config").joinpath(DEFAULT_CONFIG_NAME).read_text(encoding="utf-8")
 
 
-def load_config(path: Path | None = None) -> Config:
+def load_config(path: Path | None = None, *, serving: bool = False) -> Config:
     """Read, parse and validate the configuration at ``path`` (the embedded default if None).
 
     Raises ``ConfigError`` if the file cannot be read, and ``InvalidConfig`` (a
     ``ConfigError``) listing every fault if it is not valid TOML or not a valid config.
+    ``serving``: as ``validate_config``.
     """
-    return loads_config(read_config_text(path), source=config_source(path))
+    return loads_config(read_config_text(path), source=config_source(path), serving=serving)
 
 
 def config_source(path: Path | None) -> str:
@@ -130,21 +131,30 @@ def read_config_text(path: Path | None) -> str:
         ) from None
 
 
-def loads_config(text: str, source: str = "<string>") -> Config:
-    """Parse and validate configuration text; ``source`` names it in messages."""
+def loads_config(text: str, source: str = "<string>", *, serving: bool = False) -> Config:
+    """Parse and validate configuration text; ``source`` names it in messages.
+    ``serving``: as ``validate_config``."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         # The message already ends "(at line L, column C)".
         raise InvalidConfig([Problem("", f"{source}: invalid TOML: {exc}")], source) from None
-    return validate_config(data, source)
+    return validate_config(data, source, serving=serving)
 
 
-def validate_config(data: Mapping[str, Any], source: str = "<data>") -> Config:
+def validate_config(
+    data: Mapping[str, Any], source: str = "<data>", *, serving: bool = False
+) -> Config:
     """Validate already-parsed configuration data (as ``tomllib`` returns it).
 
     After the model, the checks that ask this machine: pool addresses must be local, and
     enabled plugins must import with valid options.  Nothing starts half-configured.
+
+    ``serving``: also require the listen addresses to be this host's, for serve's own
+    start-up and check-config.  No other process binds them: the receiver children get
+    serve's sockets, the workers and the admin CLI none.  A worker restarted after a
+    failover moved the receiver's address to another host must still start, and the CLI
+    must run on any host that shares the config.
     """
     try:
         config = Config.model_validate(data)
@@ -152,7 +162,8 @@ def validate_config(data: Mapping[str, Any], source: str = "<data>") -> Config:
         faulty = {error["loc"][0] for error in exc.errors() if error["loc"]}
         problems = [*problems_from(exc), *_cross_problems(data, faulty)]
         raise InvalidConfig(problems, source) from None
-    problems = [*_pool_problems(config), *_listen_problems(config), *_plugin_problems(config)]
+    listen = list(_listen_problems(config)) if serving else []
+    problems = [*_pool_problems(config), *listen, *_plugin_problems(config)]
     if problems:
         refused = InvalidConfig(problems, source)
         refused.model = config  # check-config runs the plugins' init on it
@@ -180,7 +191,7 @@ def _cross_problems(data: Mapping[str, Any], faulty: set[int | str]) -> list[Pro
 def check_config(path: Path | None = None) -> list[str]:
     """Every fault of the configuration at ``path`` as one line each; empty when it is valid."""
     try:
-        load_config(path)
+        load_config(path, serving=True)  # the verdict serve would give
     except InvalidConfig as exc:
         return [str(p) for p in exc.problems]
     except ConfigError as exc:
@@ -401,7 +412,8 @@ def _pool_problems(config: Config) -> Iterator[Problem]:
 
 def _listen_problems(config: Config) -> Iterator[Problem]:
     """A listen address that is not one of this host's would stop serve at start-up, after
-    the queue is opened; said here, with its key, check-config finds it too."""
+    the queue is opened; said here, with its key, check-config finds it too.  Only when
+    ``serving`` (``validate_config``): no other process binds these addresses."""
     listeners = [
         ("receiver", "listen", config.receiver.listen_address),
         ("receiver", "tls_listen", config.receiver.tls_listen_address),

@@ -86,14 +86,14 @@ def config_problems(path: Path | None) -> tuple[list[str], Config | None]:
     """Every fault of the config at ``path`` that ``zoneq check-config`` lists before the API
     token's, one line each; and the config when the loader found no fault.
 
-    First the loader's (the file, TOML, the model, pool addresses, each plugin's import and
-    options), then each plugin's own ``init``.  When the loader refused the file it built no
-    ``Config``, so the ``init`` checks run on the model alone (its other checks are the
-    loader's, just reported), skipping the plugins the loader already named: a plugin that
-    does not import is reported once, and hides no other plugin's fault.
+    First the loader's (the file, TOML, the model, pool and listen addresses, each plugin's
+    import and options), then each plugin's own ``init``.  When the loader refused the file
+    it built no ``Config``, so the ``init`` checks run on the model alone (its other checks
+    are the loader's, just reported), skipping the plugins the loader already named: a
+    plugin that does not import is reported once, and hides no other plugin's fault.
     """
     try:
-        config = load_config(path)
+        config = load_config(path, serving=True)  # serve's verdict, its listen addresses too
     except InvalidConfig as exc:
         reported = list(exc.problems)
         model = exc.model
