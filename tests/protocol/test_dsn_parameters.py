@@ -16,6 +16,7 @@ from zoneq.protocol.smtp_commands import CommandError, parse_mail, parse_rcpt
 
 BAD_ORCPT = "501 5.5.4 Bad ORCPT parameter syntax"
 BAD_ENVID = "501 5.5.4 Bad ENVID parameter syntax"
+TOO_LONG = "501 5.5.4 ORCPT too long"
 
 
 def stored_orcpt(value: str, *, smtputf8: bool = False) -> str:
@@ -56,10 +57,32 @@ def test_orcpt_is_checked_and_normalised_at_rcpt(value: str, smtputf8: bool, exp
     assert stored_orcpt(value, smtputf8=smtputf8) == expected
 
 
-def test_a_normalised_orcpt_over_500_characters_is_refused() -> None:
-    # 90 "ö" are 90 characters as unitext, 540 as utf-8-addr-xtext: too long to send.
-    value = "utf-8;" + "ö" * 90 + "@d.test"
-    assert stored_orcpt(value, smtputf8=True) == "501 5.5.4 ORCPT too long"
+# RFC 3461 section 4.2's 500 characters are the parameter's as received.  The utf-8 form
+# zoneq stores is longer (up to ten characters per non-ASCII one): a valid ORCPT was once
+# refused on that length, and the whole recipient with it.
+LONGEST_LOCAL = "п" * 32  # 64 octets: RFC 5321's longest local part
+LONG_DOMAIN = ".".join(["д" * 30] * 3) + ".рф"  # 245 octets as UTF-8
+# Each in utf-8-addr-xtext (RFC 6533 section 3).
+OE, PE, DE, RF = "\\x{F6}", "\\x{43F}", "\\x{434}", "\\x{440}\\x{444}"  # ö п д рф
+
+
+@pytest.mark.parametrize(
+    ("value", "stored"),
+    [
+        pytest.param(
+            f"utf-8;{LONGEST_LOCAL}@{LONG_DOMAIN}",
+            f"utf-8;{PE * 32}@{'.'.join([DE * 30] * 3)}.{RF}",
+            id="longest-local-part-long-domain",
+        ),
+        pytest.param(f"utf-8;{'ö' * 90}@d.test", f"utf-8;{OE * 90}@d.test", id="540-stored"),
+        pytest.param(f"utf-8;{'ö' * 487}@d.test", f"utf-8;{OE * 487}@d.test", id="500-received"),
+        pytest.param(f"utf-8;{'ö' * 488}@d.test", TOO_LONG, id="501-received"),
+        pytest.param(f"rfc822;{'a' * 486}@d.test", f"rfc822;{'a' * 486}@d.test", id="ascii-500"),
+        pytest.param(f"rfc822;{'a' * 487}@d.test", TOO_LONG, id="ascii-501"),
+    ],
+)
+def test_orcpt_length_is_the_parameter_as_received(value: str, stored: str) -> None:
+    assert stored_orcpt(value, smtputf8=True) == stored
 
 
 @pytest.mark.parametrize(
@@ -93,6 +116,11 @@ def test_envid_must_decode_to_printable_us_ascii(value: str, expected: str) -> N
         ("utf-8;jörg@ok.test", "utf-8;j\\x{F6}rg@ok.test"),
         ("rfc822;a+0D+0Ab@d.test", None),
         ("no type", None),
+        # RFC 3461 section 4.2: at most 500 characters as sent; a longer one is left out.
+        pytest.param(f"utf-8;{OE * 81}@de.test", f"utf-8;{OE * 81}@de.test", id="500"),
+        pytest.param(f"utf-8;{'ö' * 81}@de.test", f"utf-8;{OE * 81}@de.test", id="500-raw"),
+        pytest.param(f"utf-8;{OE * 81}@def.test", None, id="501"),
+        pytest.param(f"utf-8;{'ö' * 81}@def.test", None, id="501-raw"),
     ],
 )
 def test_the_sender_sends_what_the_receiver_stores(stored: str, sent: str | None) -> None:

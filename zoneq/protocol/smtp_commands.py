@@ -51,7 +51,12 @@ from zoneq.protocol.domains import EMPTY_LABEL, has_empty_label
 from zoneq.protocol.dsn import Notify, Ret
 from zoneq.protocol.local_parts import canonical_address, is_local_part
 from zoneq.protocol.replies import EnhancedStatus, Reply
-from zoneq.protocol.xtext import normal_orcpt, printable_xtext_decode, xtext_decode
+from zoneq.protocol.xtext import (
+    MAX_ORCPT,
+    normal_orcpt,
+    printable_xtext_decode,
+    xtext_decode,
+)
 
 __all__ = [
     "BodyType",
@@ -67,9 +72,8 @@ __all__ = [
 # RFC 5321 section 4.5.3.1: local-part 64 octets, path (with the angle brackets) 256.
 MAX_LOCAL_PART: Final = 64
 MAX_PATH: Final = 256
-# RFC 3461 section 4.4: ENVID is at most 100 characters; section 4.2: ORCPT at most 500.
+# RFC 3461 section 4.4: ENVID is at most 100 characters (ORCPT's 500: xtext.MAX_ORCPT).
 MAX_ENVID: Final = 100
-MAX_ORCPT: Final = 500
 # RFC 1870 section 3: size-value = 1*20DIGIT.
 _SIZE_VALUE: Final = re.compile(r"[0-9]{1,20}")
 # RFC 5321 section 4.1.2: esmtp-keyword = (ALPHA / DIGIT) *(ALPHA / DIGIT / "-").
@@ -366,17 +370,18 @@ def _parse_notify(value: str) -> frozenset[Notify]:
 
 
 def _check_orcpt(value: str, *, smtputf8: bool) -> str:
-    """RFC 3461 section 4.2: ``addr-type ";" xtext``, at most 500 characters as received
-    and as stored (``normal_orcpt``: the utf-8 addr-type's address in its xtext form)."""
+    """RFC 3461 section 4.2: ``addr-type ";" xtext``, at most 500 characters as received.
+
+    Stored as ``normal_orcpt`` gives it (a utf-8 address in its xtext form), however long
+    that is: the limit is on the parameter as sent, and a valid unitext value must not
+    cost the client its recipient.  Delivery leaves out one too long to send on.
+    """
     if len(value) > MAX_ORCPT:
         raise CommandError(bad_arguments("ORCPT too long"))
     try:
-        orcpt = normal_orcpt(value, unitext=smtputf8)
+        return normal_orcpt(value, unitext=smtputf8)
     except ProtocolError:
         raise CommandError(bad_arguments("Bad ORCPT parameter syntax")) from None
-    if len(orcpt) > MAX_ORCPT:
-        raise CommandError(bad_arguments("ORCPT too long"))
-    return orcpt
 
 
 def parse_rcpt(argument: str, *, esmtp: bool, smtputf8: bool) -> RcptCommand:

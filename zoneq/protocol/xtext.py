@@ -17,6 +17,7 @@ from typing import Final
 from zoneq.errors import ProtocolError
 
 __all__ = [
+    "MAX_ORCPT",
     "normal_orcpt",
     "printable_xtext_decode",
     "utf8_xtext_decode",
@@ -25,6 +26,10 @@ __all__ = [
     "xtext_encode",
 ]
 
+# RFC 3461 section 4.2: an ORCPT parameter "MUST NOT exceed 500 characters", as sent.  The
+# receiver measures it as received; a utf-8 address stored in xtext may be longer (each
+# non-ASCII character is up to ten), and is then not sent on (``sendable_orcpt``).
+MAX_ORCPT: Final = 500
 # RFC 3461 section 4: xchar is "!" to "~" except "+" and "="; hexchar is "+" and two hex
 # digits (upper case per the RFC; lower case accepted, it is unambiguous).
 _XTEXT_TOKEN: Final = re.compile(r"\+([0-9A-Fa-f]{2})|([\x21-\x2a\x2c-\x3c\x3e-\x7e]+)")
@@ -143,7 +148,8 @@ def normal_orcpt(value: str, *, unitext: bool) -> str:
     The addr-type is an atom; its address must decode to printable US-ASCII, except for the
     utf-8 addr-type (RFC 6533 section 3), whose address is returned in utf-8-addr-xtext:
     the unitext form (raw UTF-8, allowed only with SMTPUTF8, ``unitext``) could not be sent
-    to a next hop without SMTPUTF8, and the xtext form can be sent to any.
+    to a next hop without SMTPUTF8, and the xtext form can be sent to any.  No length is
+    checked: ``MAX_ORCPT`` applies to the parameter as sent, which the caller measures.
     """
     addr_type, semicolon, encoded = value.partition(";")
     if not semicolon or not encoded or not _ADDR_TYPE.fullmatch(addr_type):

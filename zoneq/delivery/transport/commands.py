@@ -9,9 +9,10 @@ slipped through.
 
 An ORCPT is sent in the form ``normal_orcpt`` gives, the receiver's own grammar (so a
 utf-8 one an older zoneq stored raw goes out as utf-8-addr-xtext); one it refuses (stored
-by an older zoneq: an address decoding to a CR LF) is left out of the RCPT, logged once
-per ``deliver``, not made the whole job's failure: RFC 3461 section 4.2 makes ORCPT
-optional information.
+by an older zoneq: an address decoding to a CR LF), or one longer in that form than the
+500 characters a parameter may have (RFC 3461 section 4.2: the receiver measures it as
+received, in the shorter unitext form), is left out of the RCPT, logged once per
+``deliver``, not made the whole job's failure: section 4.2 makes ORCPT optional information.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Final
 from zoneq.delivery.transport.options import MailOptions, Recipient
 from zoneq.errors import ProtocolError
 from zoneq.protocol.dsn import Notify
-from zoneq.protocol.xtext import normal_orcpt
+from zoneq.protocol.xtext import MAX_ORCPT, normal_orcpt
 
 log = logging.getLogger(__name__)
 
@@ -56,19 +57,22 @@ def check_arguments(helo_name: str, recipients: Sequence[Recipient], options: Ma
             raise ValueError("NOTIFY=NEVER cannot be combined (RFC 3461 section 4.1)")
         if recipient.orcpt is not None and sendable_orcpt(recipient.orcpt) is None:
             log.warning(
-                "ORCPT of %s left out, not addr-type;xtext (RFC 3461 4.2): %r",
+                "ORCPT of %s left out, not addr-type;xtext of at most %d characters "
+                "(RFC 3461 4.2): %r",
                 recipient.address,
+                MAX_ORCPT,
                 recipient.orcpt,
             )
 
 
 def sendable_orcpt(orcpt: str) -> str | None:
     """``orcpt`` as it is sent (``normal_orcpt``: a utf-8 address in its 7-bit form), or
-    None when it cannot be sent at all."""
+    None when it cannot be sent at all: not addr-type;xtext, or too long as sent."""
     try:
-        return normal_orcpt(orcpt, unitext=True)
+        sent = normal_orcpt(orcpt, unitext=True)
     except ProtocolError:
         return None
+    return sent if len(sent) <= MAX_ORCPT else None
 
 
 def _address(address: str) -> bytes:
