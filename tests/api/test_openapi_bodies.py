@@ -159,7 +159,8 @@ async def test_every_operation_answers_as_documented(store: QueueStore, tmp_path
         )
         assert held == {"count": 2, "on_return": 0}
         assert await check.call("POST", msg + "/release", f"/api/v1/messages/{one}/release") == {
-            "count": 2
+            "count": 2,
+            "on_return": 0,
         }
         assert (await check.call("POST", zone + "/hold", "/api/v1/zones/default/hold"))[
             "count"

@@ -266,7 +266,7 @@ async def test_hold_and_release_a_message(store: QueueStore) -> None:
         assert {q.recipient.hold_reason for q in store.recipients(msg)} == {"complaint #7"}
         assert (await api.call("POST", path + "/hold"))[0] == 409
         status, body = await api.call("POST", path + "/release")
-        assert (status, body) == (200, {"count": 2})
+        assert (status, body) == (200, {"count": 2, "on_return": 0})
         assert (await api.call("POST", path + "/release"))[0] == 409
         assert await counts(api) == {"ready": 2, "leased": 0, "deferred": 0, "held": 0}
     await assert_consistent(store)

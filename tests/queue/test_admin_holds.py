@@ -371,7 +371,7 @@ async def test_a_release_cancels_the_hold_on_return(
     if released == "zone":
         assert await admin.release_zone(Z) == 1
     else:
-        assert await admin.release_message(msg) == 1
+        assert await admin.release_message(msg) == HoldCount(now=1, on_return=1)
     await ending(service, job)
     await store.drain()
     assert counts(store) == {"leased": 0, "held": 0, **after}

@@ -122,7 +122,6 @@ def test_format_known_value() -> None:
         "",
         "0",
         "123",
-        "00000000DEADBEEF",  # upper case is not what format_id writes
         "0x00000000deadbe",
         " 0000000deadbeef",
         "0000000deadbeef ",
@@ -141,10 +140,23 @@ def test_parse_id_rejects_garbage(garbage: str) -> None:
         parse_id(garbage)
 
 
+@pytest.mark.parametrize(
+    ("text", "msg_id"),
+    [
+        ("00000000deadbeef", 0xDEADBEEF),
+        ("00000000DEADBEEF", 0xDEADBEEF),  # as a tool showing hex in upper case copies it
+        ("00000000DeadBeef", 0xDEADBEEF),
+        ("FFFFFFFFFFFFFFFF", 2**64 - 1),
+    ],
+)
+def test_parse_id_reads_either_case(text: str, msg_id: int) -> None:
+    assert parse_id(text) == msg_id
+
+
 @given(st.text(max_size=20))
-def test_parse_id_accepts_only_what_format_id_writes(text: str) -> None:
+def test_parse_id_accepts_only_what_format_id_writes_in_either_case(text: str) -> None:
     try:
         value = parse_id(text)
     except ValueError:
         return
-    assert format_id(value) == text
+    assert format_id(value) == text.lower()

@@ -1,10 +1,11 @@
 """A small blocking HTTP client for the API, used by ``zoneq queue`` and ``zoneq send``.
 
 The standard library's ``http.client`` is enough: one request at a time, a file uploaded
-from disk in blocks with its Content-Length (never read whole), a source written to a file
-as it arrives.  Errors come back as ``ApiError`` carrying the API's status, message and
-JSON body (status 0: no HTTP answer at all), or as ``InvalidRequest`` when the caller's
-input cannot be put into an HTTP request; nothing else escapes for bad input.
+in blocks (never read whole: with its Content-Length, or chunked when it has none, as a
+pipe), a source written to a file as it arrives.  Errors come back as ``ApiError``
+carrying the API's status, message and JSON body (status 0: no HTTP answer at all), or as
+``InvalidRequest`` when the caller's input cannot be put into an HTTP request; nothing else
+escapes for bad input.
 
 Every variable part of a path goes through ``quoted_path``: percent-encoded whole, so a zone, a
 message id or a U-label domain is one segment however it is spelt (``bücher.example``,
@@ -16,7 +17,8 @@ from __future__ import annotations
 import http.client
 import json
 import shutil
-from pathlib import Path
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import IO, Any, Final
 from urllib.parse import quote, urlencode
 
@@ -76,7 +78,9 @@ class ApiClient:
         headers: dict[str, str],
     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         target = path + ("?" + urlencode(query) if query else "")
-        where = f"{self.host}:{self.port}"
+        # As it was given: an IPv6 host in brackets (RFC 3986 section 3.2.2), else "::1:80".
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        where = f"{host}:{self.port}"
         try:
             connection = http.client.HTTPConnection(
                 self.host, self.port, timeout=self.timeout, blocksize=BLOCK
@@ -125,33 +129,47 @@ class ApiClient:
         finally:
             connection.close()
 
-    def download(self, path: str, out: IO[bytes]) -> None:
+    def download(self, path: str, sink: Callable[[], AbstractContextManager[IO[bytes]]]) -> None:
+        """GET ``path`` into the file ``sink()`` opens, which is opened only once the API
+        has answered 200: a refusal (an unknown id, a bad token) or no answer at all
+        leaves the caller's file as it was.  An OSError of ``sink()`` itself (the file
+        cannot be opened) is the caller's to report; one while copying is a broken
+        download (``ApiError``), ended by leaving ``sink``'s context with it."""
         connection, response = self._send("GET", path, None, None, {})
         try:
-            shutil.copyfileobj(response, out, BLOCK)
-            # read(amount) of a length-delimited answer returns short at a closed
-            # connection instead of raising (chunked answers raise IncompleteRead).
-            if response.length:
-                raise http.client.IncompleteRead(b"", response.length)
-        except (OSError, http.client.HTTPException) as exc:
-            # The answer broke off (the server could not read the rest, or the connection
-            # went): what was written is not the whole message.
-            raise ApiError(0, f"the download broke off: {exc!r}") from None
+            with sink() as out:
+                _copy_whole(response, out)
         finally:
             connection.close()
 
-    def upload(self, path: str, source: Path, query: list[tuple[str, str]]) -> Any:
-        """POST a file as the body, streamed from disk with its Content-Length."""
-        with source.open("rb") as data:
-            headers = {
-                "Content-Type": "message/rfc822",
-                "Content-Length": str(source.stat().st_size),
-            }
-            connection, response = self._send("POST", path, query, data, headers)
+    def upload(
+        self, path: str, source: IO[bytes], size: int | None, query: list[tuple[str, str]]
+    ) -> Any:
+        """POST ``source`` as the body, streamed in blocks, never read whole: with its
+        Content-Length when ``size`` is known (the API refuses a message over its size
+        limit on that header alone), else chunked (RFC 9112 section 7.1: http.client
+        does so for a file body without a length), the limit applied as the API reads."""
+        headers = {"Content-Type": "message/rfc822"}
+        if size is not None:
+            headers["Content-Length"] = str(size)
+        connection, response = self._send("POST", path, query, source, headers)
         try:
             return json.loads(response.read())
         finally:
             connection.close()
+
+
+def _copy_whole(response: http.client.HTTPResponse, out: IO[bytes]) -> None:
+    try:
+        shutil.copyfileobj(response, out, BLOCK)
+        # read(amount) of a length-delimited answer returns short at a closed
+        # connection instead of raising (chunked answers raise IncompleteRead).
+        if response.length:
+            raise http.client.IncompleteRead(b"", response.length)
+    except (OSError, http.client.HTTPException) as exc:
+        # The answer broke off (the server could not read the rest, or the connection
+        # went), or the file could not take it: what was written is not the whole message.
+        raise ApiError(0, f"the download broke off: {exc!r}") from None
 
 
 def _error(text: bytes, reason: str) -> tuple[str, Any]:

@@ -16,13 +16,17 @@ and a combining mark none, so ``len`` would misalign every column after such a c
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import os
+import stat
 import sys
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final
+from typing import IO, Any, Final
 
 import wcwidth
 
@@ -126,16 +130,28 @@ def _recipient_rows(recipients: list[dict[str, Any]]) -> str:
             r["state"],
             r["attempts"],
             _when(r["next_attempt_ms"]),
-            r["last_reply"] or r["hold_reason"],
+            # Why it is held is what the operator must see before releasing it; a held
+            # recipient's last reply is history (its JSON keeps both).
+            r["hold_reason"] if r["state"] == "held" else r["last_reply"],
         ]
         for r in recipients
     ]
-    return table(rows, ["message", "recipient", "state", "tries", "next attempt", "last reply"])
+    header = ["message", "recipient", "state", "tries", "next attempt", "last reply / hold reason"]
+    return table(rows, header)
+
+
+def _filter(value: str | None, option: str) -> str | None:
+    """An optional filter as given: None when left out, refused when empty.  An empty value
+    (a script's variable that came out empty) would otherwise read as left out and widen
+    the operation: a recipient's delete to the whole message, a zone's retry to every zone."""
+    if value is not None and not value.strip():
+        raise UsageError(f"{option}: must not be empty: leave the option out to match any")
+    return value
 
 
 def _browse(api: ApiClient, args: argparse.Namespace) -> Result:
     query = [("state", args.state), ("limit", str(args.limit))]
-    if args.cursor:
+    if _filter(args.cursor, "--cursor") is not None:
         query.append(("cursor", args.cursor))
     body = api.call("GET", V1 + quoted_path("zones", args.zone, "recipients"), query=query)
     text = _recipient_rows(body["recipients"])
@@ -159,19 +175,51 @@ def _show(api: ApiClient, args: argparse.Namespace) -> Result:
     return body, "\n".join(lines)
 
 
+@contextlib.contextmanager
+def _replacing(target: Path) -> Iterator[IO[bytes]]:
+    """A file for the whole of a download to ``target``, opened once the API has said yes.
+
+    A regular file (or a new one) is written beside ``target`` under a temporary name and
+    renamed over it (atomic on POSIX) only when the whole message is there: a part of a
+    message must not pass for one, and a failed download leaves what was there before.
+    Anything else (``/dev/null``, a FIFO, a terminal) is written to directly and never
+    renamed over or removed: the command removes nothing it did not create."""
+    if target.exists() and not target.is_file():
+        if target.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "is a directory")
+        with target.open("wb") as out:
+            yield out
+        return
+    final = target.resolve()  # through a symlink: the link stays, its file is replaced
+    mode = final.stat().st_mode & 0o7777 if final.exists() else _new_file_mode()
+    fd, temporary = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            yield out
+        os.chmod(temporary, mode)  # mkstemp's 0600, not what a plain open would have made
+        os.replace(temporary, final)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _new_file_mode() -> int:
+    umask = os.umask(0)  # only readable by setting it: set back at once
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def _source(api: ApiClient, args: argparse.Namespace) -> Result:
     source = V1 + quoted_path("messages", args.id, "source")
-    if args.output:
-        target = Path(args.output)
-        try:
-            with target.open("wb") as out:
-                api.download(source, out)
-        except ApiError:
-            target.unlink(missing_ok=True)  # a part of a message must not pass for one
-            raise
-    else:
-        api.download(source, sys.stdout.buffer)
+    if args.output is None:
+        api.download(source, lambda: contextlib.nullcontext(sys.stdout.buffer))
         sys.stdout.buffer.flush()
+        return None, ""
+    target = Path(args.output)
+    try:
+        api.download(source, lambda: _replacing(target))
+    except OSError as exc:  # opening or renaming: the operator's path, not the API
+        raise UsageError(f"cannot write {target}: {exc.strerror or exc}") from exc
     return None, ""
 
 
@@ -180,18 +228,20 @@ def _counted(verb: str) -> Callable[[Any], str]:
 
 
 def _delete(api: ApiClient, args: argparse.Namespace) -> Result:
-    query = [("recipient", args.recipient)] if args.recipient else None
+    recipient = _filter(args.recipient, "--recipient")
+    query = None if recipient is None else [("recipient", recipient)]
     body = api.call("DELETE", V1 + quoted_path("messages", args.id), query=query)
-    return body, _counted("deleted")(body)
+    wire = _on_the_wire(body, "whose attempt may still deliver them (logged if it does)")
+    return body, _counted("deleted")(body) + wire
 
 
 def _purge(api: ApiClient, args: argparse.Namespace) -> Result:
     selection = {
-        "zone": args.zone,
+        "zone": _filter(args.zone, "--zone"),
         "state": args.state,
-        "sender_domain": args.sender_domain,
-        "recipient_domain": args.recipient_domain,
-        "older_than": args.older_than,
+        "sender_domain": _filter(args.sender_domain, "--sender-domain"),
+        "recipient_domain": _filter(args.recipient_domain, "--recipient-domain"),
+        "older_than": _filter(args.older_than, "--older-than"),
         "all": args.all,
     }
     body = api.call(
@@ -203,10 +253,13 @@ def _purge(api: ApiClient, args: argparse.Namespace) -> Result:
 
 
 def _target(args: argparse.Namespace, verb: str) -> str:
-    if bool(args.id) == bool(args.zone):
+    # "is None", not falsiness: an empty id with --zone must not select the zone.
+    if (args.id is None) == (_filter(args.zone, "--zone") is None):
         raise UsageError(f"{verb}: give a message id or --zone, one of them")
     return V1 + (
-        quoted_path("messages", args.id, verb) if args.id else quoted_path("zones", args.zone, verb)
+        quoted_path("messages", args.id, verb)
+        if args.id is not None
+        else quoted_path("zones", args.zone, verb)
     )
 
 
@@ -214,29 +267,38 @@ def _retry(api: ApiClient, args: argparse.Namespace) -> Result:
     if args.domain is not None and not args.domain.strip().rstrip("."):
         # As the API says it: an empty domain would otherwise widen to the whole zone.
         raise UsageError("domain: must not be empty: leave the field out to match any")
-    if args.domain and args.id:
+    zone = _filter(args.zone, "--zone")
+    if args.domain is not None and args.id is not None:
         # The API retries a whole message (its deferred recipients, every domain): refused
         # rather than silently retrying more than the operator asked for.
         raise UsageError("retry: --domain goes with --zone or alone, not with a message id")
-    if args.domain and not args.zone and not args.id:
+    if args.domain is not None and zone is None and args.id is None:
         body = api.call("POST", V1 + quoted_path("domains", args.domain, "retry"))
     else:
-        query = [("domain", args.domain)] if args.domain and args.zone else None
+        query = [("domain", args.domain)] if args.domain is not None else None
         body = api.call("POST", _target(args, "retry"), query=query)
     return body, _counted("retrying")(body)
 
 
+def _on_the_wire(body: dict[str, Any], then: str) -> str:
+    """What an answer's ``on_return`` says about recipients on the wire, for people."""
+    if not body.get("on_return"):
+        return ""
+    return f"; {body['on_return']} on the wire, {then}"
+
+
 def _hold(api: ApiClient, args: argparse.Namespace) -> Result:
+    if not args.reason.strip():  # the reason is what browse shows for a held recipient
+        raise UsageError("--reason: must not be empty: say why, or leave the option out")
     body = api.call("POST", _target(args, "hold"), json_body={"reason": args.reason})
-    text = _counted("held")(body)
-    if body.get("on_return"):  # a message's hold: those on the wire are held afterwards
-        text += f"; {body['on_return']} on the wire, held when their attempt ends undelivered"
-    return body, text
+    wire = _on_the_wire(body, "held when their attempt ends undelivered")
+    return body, _counted("held")(body) + wire
 
 
 def _release(api: ApiClient, args: argparse.Namespace) -> Result:
     body = api.call("POST", _target(args, "release"))
-    return body, _counted("released")(body)
+    wire = _on_the_wire(body, "no longer held when their attempt ends")
+    return body, _counted("released")(body) + wire
 
 
 def _move(api: ApiClient, args: argparse.Namespace) -> Result:
@@ -260,14 +322,36 @@ def _resume(api: ApiClient, args: argparse.Namespace) -> Result:
     return body, f"zone {args.zone} resumed"
 
 
+def _length(data: IO[bytes]) -> int | None:
+    """The octets left in ``data`` if it is a regular file, else None: a pipe, a terminal or
+    a process substitution has no length until it is read to its end, so it goes chunked."""
+    info = os.fstat(data.fileno())
+    return info.st_size - data.tell() if stat.S_ISREG(info.st_mode) else None
+
+
+def _opened(name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+    """The message file to send, open for reading: ``-`` is standard input, as for
+    ``zoneq suppression --file -``; a pipe or a device such as /dev/stdin is read too."""
+    if name == "-":
+        return contextlib.nullcontext(sys.stdin.buffer)  # not closed: it is not ours
+    path = Path(name)
+    try:
+        return path.open("rb")
+    except FileNotFoundError:
+        raise UsageError(f"no such file: {name}") from None
+    except IsADirectoryError:
+        raise UsageError(f"{name}: is a directory, not a message file") from None
+    except OSError as exc:  # a socket (ENXIO), no permission, ...
+        what = "not a regular file" if path.exists() and not path.is_file() else "cannot read"
+        raise UsageError(f"{name}: {what}: {exc.strerror or exc}") from None
+
+
 def _send(api: ApiClient, args: argparse.Namespace) -> Result:
-    path = Path(args.file)
-    if not path.is_file():
-        raise UsageError(f"no such file: {path}")
     query = [("to", rcpt) for rcpt in args.to]
     if args.sender is not None:
         query.insert(0, ("from", args.sender))
-    body = api.upload(f"{V1}/messages/raw", path, query)
+    with _opened(args.file) as data:
+        body = api.upload(f"{V1}/messages/raw", data, _length(data), query)
     lines = [f"queued as {body['id']} for {len(body['recipients'])} recipient(s)"]
     # Refused by a plugin (e.g. a suppression list): the rest were queued all the same.
     lines.extend(

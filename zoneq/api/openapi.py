@@ -106,7 +106,7 @@ def _submit_op(summary: str, body: dict[str, Any], *params: dict[str, Any]) -> d
 
 
 def _message_op(summary: str) -> dict[str, Any]:
-    """retry, release of one message: a count, or 409 when nothing applied."""
+    """retry of one message: a count, or 409 when nothing applied."""
     return _op(summary, COUNT, params=(MSG_ID,), errors=(400, 404, 409, 503))
 
 
@@ -198,7 +198,15 @@ PATHS: Final[dict[str, dict[str, Any]]] = {
         )
     },
     "/api/v1/messages/{id}/release": {
-        "post": _message_op("Release the message's held recipients: ready now")
+        "post": _op(
+            "Release the message's held recipients: ready now; and cancel the hold of those"
+            " on the wire, taken when their attempt ends; 409 when it has none of either",
+            _json(
+                models.HoldCount, "released now (count), and no longer held on return (on_return)"
+            ),
+            params=(MSG_ID,),
+            errors=(400, 404, 409, 503),
+        )
     },
     "/api/v1/queue": {
         "get": _op("Counts per zone and state (O(1))", _json(models.QueueCounts, "counts"))

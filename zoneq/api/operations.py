@@ -27,7 +27,7 @@ from zoneq.api.models import (
 )
 from zoneq.protocol.ids import format_id
 from zoneq.protocol.retry import parse_duration
-from zoneq.queue import admin
+from zoneq.queue import admin, service
 from zoneq.storage.records import State
 
 
@@ -41,8 +41,18 @@ def _changed(count: int, msg_id: int, what: str) -> web.Response:
     return _count(count)
 
 
-async def _optional(request: web.Request) -> bytes:
-    return await request.read() if request.can_read_body else b""
+def _hold_count(done: service.HoldCount) -> web.Response:
+    return web.json_response(HoldCount(count=done.now, on_return=done.on_return).model_dump())
+
+
+async def _hold_request(request: web.Request) -> HoldRequest:
+    """The hold's optional body, its reason not empty: the reason is all a held recipient
+    shows of why (``zoneq queue browse``), and releases are decided on it."""
+    raw = await request.read() if request.can_read_body else b""
+    hold = parse_body(HoldRequest, raw) if raw else HoldRequest()
+    if not hold.reason.strip():
+        raise BadRequest("reason: must not be empty: say why, or leave the field out")
+    return hold
 
 
 async def delete_message(request: web.Request) -> web.Response:
@@ -88,19 +98,21 @@ async def retry_message(request: web.Request) -> web.Response:
 
 async def hold_message(request: web.Request) -> web.Response:
     msg_id = message_id(request)
-    raw = await _optional(request)
-    hold = parse_body(HoldRequest, raw) if raw else HoldRequest()
+    hold = await _hold_request(request)
     held = await context(request).admin.hold_message(msg_id, hold.reason)
     if held.now == 0 and held.on_return == 0:
         raise Conflict(f"message {format_id(msg_id)} has no ready, deferred or leased recipients")
-    return web.json_response(HoldCount(count=held.now, on_return=held.on_return).model_dump())
+    return _hold_count(held)
 
 
 async def release_message(request: web.Request) -> web.Response:
+    """As a hold answers: released now (``count``), and those on the wire whose hold on
+    return was cancelled (``on_return``); 409 only when neither."""
     msg_id = message_id(request)
-    return _changed(
-        await context(request).admin.release_message(msg_id), msg_id, "no held recipients"
-    )
+    released = await context(request).admin.release_message(msg_id)
+    if released.now == 0 and released.on_return == 0:
+        raise Conflict(f"message {format_id(msg_id)} has no held recipients")
+    return _hold_count(released)
 
 
 async def retry_zone(request: web.Request) -> web.Response:
@@ -123,8 +135,7 @@ async def retry_domain(request: web.Request) -> web.Response:
 
 
 async def hold_zone(request: web.Request) -> web.Response:
-    raw = await _optional(request)
-    hold = parse_body(HoldRequest, raw) if raw else HoldRequest()
+    hold = await _hold_request(request)
     return _count(await context(request).admin.hold_zone(request.match_info["zone"], hold.reason))
 
 

@@ -26,6 +26,10 @@ _NAMED_HOSTS: Final[dict[str, frozenset[str]]] = {"localhost": frozenset({"127.0
 
 def split_listen(value: str) -> tuple[str, int]:
     """``"host:port"`` (``"[::1]:25"`` for IPv6) as ``(host, port)``; ``ValueError`` if not."""
+    if "://" in value:  # ZONEQ_API=http://127.0.0.1:8025 would read as an IPv6 host
+        raise ValueError(
+            f"invalid listen address {value!r}: give host:port, not a URL, {_EXAMPLES}"
+        )
     host, colon, port_text = value.rpartition(":")
     bracketed = host.startswith("[") and host.endswith("]")
     if bracketed:

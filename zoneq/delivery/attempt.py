@@ -418,7 +418,7 @@ class _Walk:
         try:
             result = await self.plugins.call(Hook.SENDER_CONNECT, args)
         except PluginFailure as exc:
-            log.error("%s: %x to %s deferred", exc, self.job.msg_id, self.job.domain)
+            log.error("%s: %s to %s deferred", exc, format_id(self.job.msg_id), self.job.domain)
             refusal = _plugin_failed(exc)
         else:
             if result.reply is None:
@@ -611,7 +611,7 @@ async def _sender_headers(
     try:
         result = await plugins.call(Hook.SENDER_HEADERS, args)
     except PluginFailure as exc:
-        log.error("%s: %x to %s deferred", exc, job.msg_id, job.domain)
+        log.error("%s: %s to %s deferred", exc, format_id(job.msg_id), job.domain)
         if exc.__cause__ is not None and body_damaged(exc.__cause__):
             # The plugin read the body (DKIM signs it) and met the damage: the message's
             # fault, not the plugin's, reported as sending the body would have.

@@ -34,6 +34,7 @@ import os
 import random
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import uvloop
@@ -52,6 +53,7 @@ from zoneq.ipc.client import IpcClient
 from zoneq.ipc.messages import Hello, Job, Outcome, RecipientReport
 from zoneq.logs import REPEATS
 from zoneq.plugin import PluginHost
+from zoneq.protocol.ids import format_id
 
 DEAD_HOST_CAP_S = 3600.0  # the longest an MX address is skipped after repeated failures
 
@@ -259,7 +261,7 @@ class Worker:
                 log.warning(
                     "core refused %d stale report(s) of %s",
                     len(reply.refused),
-                    ", ".join(f"{job.msg_id:x}" for job in jobs),
+                    _refused_messages(jobs, reply.refused),
                 )
             jobs = reply.jobs
 
@@ -277,7 +279,7 @@ class Worker:
                 plugins=self._plugins,
             )
         except Exception as exc:  # a bug or a local fault must not lose the job
-            log.exception("delivery of %x to %s failed locally", job.msg_id, job.domain)
+            log.exception("delivery of %s to %s failed locally", format_id(job.msg_id), job.domain)
             return [
                 RecipientReport(
                     r.token,
@@ -287,6 +289,14 @@ class Worker:
                 )
                 for r in job.recipients
             ]
+
+
+def _refused_messages(jobs: Sequence[Job], refused: Sequence[int]) -> str:
+    """The messages, as ids people can pass to ``zoneq queue show``, whose reports the core
+    refused: only those a refused token belongs to, not every job of the batch."""
+    stale = set(refused)
+    ids = {job.msg_id for job in jobs for r in job.recipients if r.token in stale}
+    return ", ".join(format_id(msg_id) for msg_id in sorted(ids))
 
 
 def _returned(token: int) -> RecipientReport:

@@ -54,8 +54,9 @@ def format_id(msg_id: int) -> str:
 
 
 def parse_id(text: str) -> int:
-    """Inverse of :func:`format_id`; ``ValueError`` for anything else."""
-    if len(text) != ID_HEX_WIDTH or text.strip("0123456789abcdef"):
+    """Inverse of :func:`format_id`, in either case (an id copied from a tool that shows
+    hex in upper case names the same message); ``ValueError`` for anything else."""
+    if len(text) != ID_HEX_WIDTH or text.strip("0123456789abcdefABCDEF"):
         raise ValueError(f"not a message id: {text!r} (expected {ID_HEX_WIDTH} hex digits)")
     return int(text, 16)
 

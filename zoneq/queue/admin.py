@@ -185,9 +185,10 @@ class QueueAdmin:
         self.store.message(msg_id)  # NotFound for an unknown message
         return await self.service.hold(msg_id, reason)
 
-    async def release_message(self, msg_id: int) -> int:
+    async def release_message(self, msg_id: int) -> HoldCount:
+        """Released now, and on the wire no longer to be held on return: as a hold answers."""
         self.store.message(msg_id)
-        return await self.store.unhold(msg_id)
+        return HoldCount(*await self.store.unhold_counted(msg_id))
 
     async def retry_message(self, msg_id: int) -> int:
         """The message's deferred recipients are ready at once, and those on the wire are

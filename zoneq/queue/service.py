@@ -1002,17 +1002,19 @@ class QueueService:
         try:
             meta = self._store.message(msg_id)
         except NotFound:
-            log.warning("message %x vanished before its bounce could be written", msg_id)
+            log.warning("message %s vanished before its bounce could be written", format_id(msg_id))
         except StorageCorruption:
             # Quarantined and reported by the store; the recipients are still bounced (their
             # outcome recorded), only the DSN cannot be composed without the metadata.
-            log.error("message %x: no DSN, its metadata is corrupt", msg_id)
+            log.error("message %s: no DSN, its metadata is corrupt", format_id(msg_id))
         except StorageUnavailable as exc:
             # The database is closed (a reopen failed): whether a DSN is owed cannot be
             # told, and a bounce without its record would lose it.  The reports are refused
             # and the recipients ready again, to be tried (and bounced) once it is back.
             log.warning(
-                "message %x: bounce not written, queue storage unavailable: %s", msg_id, exc
+                "message %s: bounce not written, queue storage unavailable: %s",
+                format_id(msg_id),
+                exc,
             )
             for _, lease, _, _, _ in group:
                 with contextlib.suppress(LeaseError):

@@ -111,18 +111,41 @@ class AdminMixin(StoreBase):
         """One page of a zone in key order and the key to pass as ``after`` for the next
         page (None at the end): any depth costs one seek per page, never a skip from the top.
         """
-        family = STATE_FAMILY[State.READY if state is State.LEASED else state]
-        prefix = keys.zone_prefix(family, zone)
+        if state is State.LEASED:
+            return self._leased_page(zone, after, limit)
+        prefix = keys.zone_prefix(STATE_FAMILY[state], zone)
         start = prefix if after is None else after + b"\x00"
         page: list[Recipient] = []
-        last: bytes | None = None
         for key, record in self._records(prefix, start=start):
-            if state is State.LEASED and key not in self._leases:
+            page.append(record)
+            if len(page) >= limit:
+                return page, key
+        return page, None
+
+    def _leased_page(
+        self, zone: str, after: bytes | None, limit: int
+    ) -> tuple[list[Recipient], bytes | None]:
+        """A page of the zone's leased recipients, as ``browse``, from the lease table.
+
+        Leased records are READY records with a lease out; scanning the READY family for
+        them would read every ready record of the zone (millions behind a paused zone)
+        synchronously on the core's event loop, stalling SMTP and the API meanwhile.  The
+        leases are few (the workers' connections and the jobs planned ahead), so their keys
+        are sorted here: the same order (oldest message first) and the same cursor (a READY
+        key) as a scan, and each page's records are read by key, the latest staged state."""
+        prefix = keys.zone_prefix(keys.READY, zone)
+        leased = sorted(
+            key for key in self._leases if key.startswith(prefix) and (after is None or key > after)
+        )
+        page: list[Recipient] = []
+        for key in leased:
+            value = self._writer.read(key)
+            record = None if value is None else self._decode_record(key, value)
+            if record is None:  # gone (or quarantined) while its lease is being revoked
                 continue
             page.append(record)
-            last = key
             if len(page) >= limit:
-                return page, last
+                return page, key
         return page, None
 
     async def drop(self, msg_id: int, now_ms: int, address: str | None = None) -> int:
@@ -274,15 +297,21 @@ class AdminMixin(StoreBase):
         return await self._hold_or_mark(self.recipients(msg_id), reason)
 
     async def unhold(self, msg_id: int) -> int:
+        """Release a held message; how many were held (``unhold_counted``)."""
+        moved, _ = await self.unhold_counted(msg_id)
+        return moved
+
+    async def unhold_counted(self, msg_id: int) -> tuple[int, int]:
         """Release a held message: its recipients are ready at once, and those on the wire
-        are no longer held when they return (their marks go in the same group)."""
+        are no longer held when they return (their marks go in the same group); (made
+        ready, marks cancelled), as ``hold_counted`` answers (held now, marked)."""
         self._check()
         unmarked = unmark_message(self._hold_marks, msg_id) if self._hold_marks else []
         landing = self._writer.submit(unmarked, sync=False) if unmarked else None
         moved = await self._make_ready(q for q in self.recipients(msg_id) if q.state is State.HELD)
         if landing is not None:
             await landing
-        return moved
+        return moved, len(unmarked)
 
     async def retry_now(
         self, zone: str, *, msg_id: int | None = None, domain: str | None = None
