@@ -781,7 +781,7 @@ class QueueService:
             )
             for msg_id, group in damaged.items()
         ]
-        done = await self._written(work, held, now, owed=failures.keys())
+        done = await self._written(work, held, now, told=told)
         accepted = [token for tokens in done for token in tokens if token is not None]
         refused.extend(item.token for item in outcomes if item.token not in accepted)
         self._tell_plugins(told, accepted)
@@ -793,14 +793,17 @@ class QueueService:
         held: Sequence[Awaitable[list[int | None]]],
         now: int,
         *,
-        owed: Collection[int],
+        told: Sequence[tuple[Lease, RecipientOutcome, _Running]],
     ) -> list[list[int | None]]:
-        """A report's writes, done; then the failure notices they made owed (for the
-        messages ``owed``) are queued, unless more of a message is still being tried
-        (``_settle_owed``; ``run`` looks at them all every round)."""
+        """A report's writes, done; then the failure notices owed by the messages it
+        ``told`` of are queued, unless more of a message is still being tried
+        (``_settle_owed``).  A report is what ends a message's recipients being tried, so
+        this is where a waiting notice is looked at again (``run`` looks only at the new
+        ones and those whose wait is up)."""
         done = await asyncio.gather(asyncio.gather(*work), *held)
-        if owed:
-            await self._settle_owed(now, among=owed)
+        touched = {lease.recipient.msg_id for lease, _, _ in told}
+        if touched:
+            await self._settle_owed(now, among=touched)
         return done
 
     def _claim(

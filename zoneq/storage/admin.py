@@ -26,6 +26,7 @@ from zoneq.storage.counters import MESSAGES, domain_key, zone_key
 from zoneq.storage.held import Held
 from zoneq.storage.holdmarks import unmark_message
 from zoneq.storage.leveldb import Op
+from zoneq.storage.owed import owed_deletes
 from zoneq.storage.records import (
     MessageMeta,
     Recipient,
@@ -188,6 +189,8 @@ class AdminMixin(StoreBase):
                 ops.extend(self._message_removed(msg_id))
         elif dropped or self._writer.read(keys.message_head(msg_id)) is not None:
             ops.extend(self._message_removed(msg_id))
+            # A delete is silent, as ``postsuper -d`` is: no notice of the failures it owed.
+            ops.extend(owed_deletes(self._writer, msg_id))
         else:
             raise NotFound(f"no queued message {mid}")
         await self._stage_removal(ops)

@@ -28,6 +28,7 @@ from zoneq.storage import keys
 from zoneq.storage.base import Outcome, QueuedRecipient, StoreBase
 from zoneq.storage.holdmarks import unmark_zone
 from zoneq.storage.leveldb import Op
+from zoneq.storage.owed import owed_deletes
 from zoneq.storage.records import MessageMeta, State
 
 _PAUSED = keys.meta("paused-zone")
@@ -66,11 +67,15 @@ class BulkMixin(StoreBase):
         for msg_id, count in gone.items():
             head = heads[msg_id]
             if head is None:
-                ops.extend(self._headless(msg_id, removed))  # its dead body noted there
-                continue
-            # A purge of big messages (a full disk's remedy) gets the space back: the
-            # message's removal notes its dead body (``_note_dead_body``).
-            ops.extend(self._recipients_gone(msg_id, head, count))
+                removal = self._headless(msg_id, removed)  # its dead body noted there
+            else:
+                # A purge of big messages (a full disk's remedy) gets the space back: the
+                # message's removal notes its dead body (``_note_dead_body``).
+                removal = self._recipients_gone(msg_id, head, count)
+            ops.extend(removal)
+            if (keys.message_meta(msg_id), None) in removal:
+                # Purged whole: silent, as ``postsuper -d`` is, for the failures it owed too.
+                ops.extend(owed_deletes(self._writer, msg_id))
         if ops:
             await self._stage_removal(ops)
         return len(chosen)
