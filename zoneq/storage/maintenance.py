@@ -21,6 +21,18 @@ from zoneq.storage.records import (
     recipient_domain,
 )
 
+# Zones emptied by a move (``moves.py``) whose ranges wait for compaction: no delivery
+# cursor lies behind their tombstones, so the cursors' ranges never cover them.  On disk,
+# written with the move's batches, so a move cut short by a stop is compacted too.
+MOVED_ZONES = keys.meta("moved-zone")
+# The ranges a moved zone leaves tombstones in: its records, and the due index of its
+# deferred ones.
+_MOVED_FAMILIES = (*keys.RECORD_FAMILIES, keys.DUE)
+
+
+def moved_zone_note(zone: str) -> bytes:
+    return MOVED_ZONES + keys.text(zone)
+
 
 class MaintenanceMixin(StoreBase):
     def recover(self, *, receiving: dict[int, int] | None = None) -> int:
@@ -115,8 +127,9 @@ class MaintenanceMixin(StoreBase):
         return ops
 
     async def compact(self) -> None:
-        """Compact the deleted ranges behind each zone's marks, and the range of each big
-        body deleted since the last round (explicit ranges only).
+        """Compact the deleted ranges behind each zone's marks, the range of each big body
+        deleted since the last round, and the ranges of each zone moved out of (explicit
+        ranges only).
 
         LevelDB's CompactRange runs in a thread, which it can (plyvel releases the GIL
         around it): on the event loop one round after 180,000 deliveries held SMTP
@@ -131,10 +144,25 @@ class MaintenanceMixin(StoreBase):
             (keys.zone_prefix(keys.DUE, zone), mark) for zone, mark in self._due_marks.items()
         )
         bodies = self._dead_bodies_landed()
+        moved = list(self._db.keys(prefix=MOVED_ZONES))
         for start, stop in ranges:
             await self._compact_range(start, stop)
         for msg_id in bodies:
             await self._compact_dead_body(msg_id)
+        for note in moved:
+            await self.compact_moved_zone(keys.split_text(note, len(MOVED_ZONES))[0])
+            # After it: a failed one is tried next round, or after a restart.  A move
+            # still going on writes the note again with its next batch.
+            self._db.write([(note, None)], sync=False)
+
+    async def compact_moved_zone(self, zone: str) -> None:
+        """Compact the ranges a move out of ``zone`` fills with tombstones (whole: nothing
+        in them is read in order by a cursor)."""
+        for family in _MOVED_FAMILIES:
+            start = keys.zone_prefix(family, zone)
+            stop = keys.prefix_upper_bound(start)
+            assert stop is not None  # a zone prefix ends in its text's terminator, 0x00
+            await self._compact_range(start, stop)
 
     def _dead_bodies_landed(self) -> list[int]:
         """The dead bodies whose deletes are on disk, in id order; forgets those whose
