@@ -13,14 +13,20 @@ domains; this plugin adds shell-style patterns on the full addresses, for exampl
 The first rule whose patterns all match wins; a recipient no rule matches keeps the zone
 the built-in rules gave it.  Addresses and patterns compare case-insensitively, and a
 domain's U-labels as their A-labels, as zoneq's own rules compare domains: ``*@bücher.test``
-matches ``u@bücher.test`` and ``u@xn--bcher-kva.test`` alike.
+matches ``u@bücher.test`` and ``u@xn--bcher-kva.test`` alike.  Each address is tried in
+both forms, its A-labels and its U-labels, against each pattern as written and with its
+labels as A-labels: a wildcard inside a non-ASCII label (``*@bü*.test``) has no A-label,
+and a pattern with no ``@`` (``*bücher.test``) has no domain to convert, so those match
+the U-label form only.
 """
 
 from __future__ import annotations
 
+import functools
 from fnmatch import fnmatchcase
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+import idna
+from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
 
 from zoneq.plugin import Hook, OptionError, PluginApp, RouteArgs, normal_domain
 
@@ -42,17 +48,48 @@ def address_form(address: str) -> str:
     return f"{local.lower()}@{'.'.join(normal_domain(label) for label in domain.split('.'))}"
 
 
+def address_forms(address: str) -> tuple[str, ...]:
+    """The forms an address is matched in: ``address_form``, and the same with each
+    A-label as its U-label (one name, RFC 5890 section 2.3.2.1), for the patterns that
+    only that form can meet (a wildcard in a non-ASCII label, no ``@``)."""
+    a_form = address_form(address)
+    local, at, domain = a_form.rpartition("@")
+    if not at or "xn--" not in domain:
+        return (a_form,)
+    return (a_form, f"{local}@{'.'.join(_u_label(label) for label in domain.split('.'))}")
+
+
+@functools.lru_cache(maxsize=4096)  # few domains, repeated (as ``normal_domain``'s cache)
+def _u_label(label: str) -> str:
+    """An A-label as its U-label; any other label, or one IDNA refuses, as it is."""
+    if not label.startswith("xn--"):
+        return label
+    try:
+        decoded: str = idna.decode(label)
+    except idna.IDNAError:
+        return label
+    return decoded
+
+
+def pattern_forms(pattern: str) -> tuple[str, ...]:
+    """A pattern as written and as ``address_form`` writes it (lower-cased both)."""
+    return tuple(dict.fromkeys((pattern.lower(), address_form(pattern))))
+
+
 class Rule(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     zone: str
     sender: str | None = None
     recipient: str | None = None
+    # (sender's, recipient's) ``pattern_forms``, worked out once, at load.
+    _forms: tuple[tuple[str, ...] | None, ...] = PrivateAttr(default=())
 
-    @field_validator("sender", "recipient")
-    @classmethod
-    def _compared_form(cls, pattern: str | None) -> str | None:
-        return None if pattern is None else address_form(pattern)
+    def model_post_init(self, context: object, /) -> None:
+        self._forms = tuple(
+            None if pattern is None else pattern_forms(pattern)
+            for pattern in (self.sender, self.recipient)
+        )
 
     @model_validator(mode="after")
     def _needs_a_pattern(self) -> Rule:
@@ -61,11 +98,16 @@ class Rule(BaseModel):
         return self
 
     def matches(self, sender: str, recipient: str) -> bool:
-        """Whether the addresses, in ``address_form``, fit the rule's patterns."""
+        """Whether the addresses fit the rule's patterns, some form of each (``address_forms``)
+        a form of its pattern (``pattern_forms``)."""
         return all(
-            pattern is None or fnmatchcase(value, pattern)
-            for pattern, value in ((self.sender, sender), (self.recipient, recipient))
+            patterns is None or _fits(patterns, address_forms(value))
+            for patterns, value in zip(self._forms, (sender, recipient), strict=True)
         )
+
+
+def _fits(patterns: tuple[str, ...], values: tuple[str, ...]) -> bool:
+    return any(fnmatchcase(value, pattern) for pattern in patterns for value in values)
 
 
 class Options(BaseModel):
@@ -87,9 +129,8 @@ def init(app: PluginApp) -> None:
 
     # Plain (not async) is fine for work this small; the host runs it in a thread.
     def route(args: RouteArgs) -> str | None:
-        sender, recipient = address_form(args.sender), address_form(args.recipient)
         for rule in options.rules:
-            if rule.matches(sender, recipient):
+            if rule.matches(args.sender, args.recipient):
                 return rule.zone
         return None
 

@@ -16,6 +16,11 @@ RULES = [
     {"recipient": "*@*.xn--mnchen-3ya.test", "zone": "bulk"},
     {"sender": "news@straße.test", "zone": "bulk"},
     {"recipient": "VIP@*", "zone": "tx"},
+    # A wildcard in a non-ASCII label has no A-label, nor has a pattern without "@" a
+    # domain to convert: these meet the addresses' U-label form (the 0d98f2f regression).
+    {"recipient": "*@bü*.test", "zone": "bulk"},
+    {"recipient": "*köln.test", "zone": "tx"},
+    {"recipient": "*@*STRÖM.test", "zone": "bulk"},
 ]
 
 
@@ -40,6 +45,16 @@ def host() -> PluginHost:
         ("a@x.test", "Vip@s.test", "tx"),
         ("a@x.test", "u@buecher.test", None),
         ("", "u@dst.test", None),  # the null reverse-path has no domain
+        ("a@x.test", "u@bühne.test", "bulk"),
+        ("a@x.test", "u@xn--bhne-0ra.test", "bulk"),
+        ("a@x.test", "u@BÜHNE.test", "bulk"),
+        ("a@x.test", "u@buhne.test", None),
+        ("a@x.test", "u@köln.test", "tx"),
+        ("a@x.test", "u@mail.xn--kln-sna.test", "tx"),
+        ("a@x.test", "u@koln.test", None),
+        ("a@x.test", "u@malström.test", "bulk"),
+        ("a@x.test", "u@xn--malstrm-f1a.test", "bulk"),
+        ("a@x.test", "u@malstrom.test", None),
     ],
 )
 def test_domains_match_in_either_form(
