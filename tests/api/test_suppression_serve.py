@@ -10,7 +10,6 @@ the API listen on 127.0.0.1 only.
 from __future__ import annotations
 
 import asyncio
-import json
 import smtplib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from tests.api.test_serve_cli import ok, zoneq
-from tests.api.test_suppression import empty_list
+from tests.api.test_suppression import empty_list, on_disk
 from tests.support.plugins import BUNDLED
-from tests.support.serve import running_serve, smtp_port, write_serve_config
+from tests.support.serve import Serve, running_serve, smtp_port, write_serve_config
 from zoneq.config import load_config
 from zoneq.plugin import Hook, PluginHost, RouteArgs
 
@@ -31,9 +30,10 @@ REFUSED = "550 5.1.1 Recipient is on the suppression list"
 
 
 @contextmanager
-def suppressing_serve(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+def suppressing_serve(tmp_path: Path) -> Iterator[tuple[Path, Path, Serve]]:
     """``zoneq serve`` with ``[plugins.suppression]`` enabled on an empty list: (config, the
-    list's file).  Nothing is delivered in these tests, so no MX or DNS is needed."""
+    list's file, the serve).  Nothing is delivered in these tests, so no MX or DNS is
+    needed."""
     listed = empty_list(tmp_path)
     config = write_serve_config(tmp_path / "zoneq", mx_port=9, dns_port=9)
     with config.open("a") as out:
@@ -41,8 +41,8 @@ def suppressing_serve(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
             f'\n[plugins.suppression]\nmodule = "{BUNDLED / "suppression.py"}"\n'
             f'options.file = "{listed}"\noptions.action = "refuse"\n'
         )
-    with running_serve(config, tmp_path / "serve.log"):
-        yield config, listed
+    with running_serve(config, tmp_path / "serve.log") as serve:
+        yield config, listed, serve
 
 
 def plugin_decision(config: Path, recipient: str, zone: str = "default") -> str | None:
@@ -67,7 +67,7 @@ def rcpt_reply(config: Path, recipient: str) -> tuple[int, str]:
 
 
 def test_suppressed_with_the_cli_refused_by_the_plugin(tmp_path: Path) -> None:
-    with suppressing_serve(tmp_path) as (config, listed):
+    with suppressing_serve(tmp_path) as (config, listed, _):
         # The same host loaded before the change (as serve's is): it must see the change.
         before = PluginHost.from_config(load_config(config))
         args = RouteArgs("news@src.test", "gone@ok.test", "default", "default")
@@ -76,7 +76,7 @@ def test_suppressed_with_the_cli_refused_by_the_plugin(tmp_path: Path) -> None:
         added = ok(config, "suppression", "add", "default", "Gone@OK.test", "left@ok.test")
         assert added == {"zone": "default", "added": 2, "total": 2}
         assert ok(config, "suppression", "add", "*", "everywhere@ok.test")["total"] == 1
-        assert json.loads(listed.read_text()) == {
+        assert on_disk(listed) == {
             "*": ["everywhere@ok.test"],
             "default": ["gone@ok.test", "left@ok.test"],
         }
@@ -109,8 +109,21 @@ def test_suppressed_with_the_cli_refused_by_the_plugin(tmp_path: Path) -> None:
 
 
 def test_suppressed_address_is_refused_at_rcpt(tmp_path: Path) -> None:
-    with suppressing_serve(tmp_path) as (config, _):
+    with suppressing_serve(tmp_path) as (config, _, _):
         ok(config, "suppression", "add", "default", "gone@ok.test")
         assert rcpt_reply(config, "fine@ok.test")[0] == 250
         code, text = rcpt_reply(config, "Gone@ok.test")
         assert (code, text) == (550, "5.1.1 Recipient is on the suppression list")
+
+
+def test_an_acknowledged_change_survives_a_kill(tmp_path: Path) -> None:
+    """SIGKILL of the core right after the API's answers: both changes are on disk (the
+    journal is fsynced before the 200), and a serve started again refuses the address."""
+    with suppressing_serve(tmp_path) as (config, listed, serve):
+        ok(config, "suppression", "add", "default", "gone@ok.test", "left@ok.test")
+        ok(config, "suppression", "remove", "default", "left@ok.test")
+        serve.kill()
+    assert on_disk(listed) == {"default": ["gone@ok.test"]}
+    with running_serve(config, tmp_path / "again.log"):
+        assert rcpt_reply(config, "gone@ok.test")[0] == 550
+        assert rcpt_reply(config, "left@ok.test")[0] == 250

@@ -17,7 +17,7 @@ from typing import Any, Final
 from zoneq.api.client import ApiClient, quoted_path
 from zoneq.api.command import V1, Result, UsageError, connection_options, run_action, table
 
-BATCH: Final = 10_000  # addresses per add request: each request rewrites the file once
+BATCH: Final = 10_000  # addresses per add request: one journal line (and fsync) each
 PAGE: Final = 1000  # the API's largest page
 
 

@@ -1,26 +1,29 @@
-"""The suppression list as the API edits it: the file the suppression plugin reads.
+"""The suppression list as the API edits it: the list the suppression plugin reads.
 
-The plugin module owns the file's format (``plugins/suppression.py``: ``load_file``,
-``save_file``, ``normalize``); this module loads that module the way the plugin host does
-(``[plugins.suppression]``, its ``module`` and ``options.file``), so the API and the plugin
-cannot disagree on what the file says or how addresses compare.
+The plugin module owns the list's files and format (``plugins/suppression.py``: a JSON
+snapshot plus a journal of changes, ``shared_list``, ``normalize``); this module loads that
+module the way the plugin host does (``[plugins.suppression]``, its ``module`` and
+``options.file``), so the API and the plugin cannot disagree on what the list says or how
+addresses compare.  In the core both use the module's one ``SuppressionList`` of the file:
+one parsed copy, and a change the API makes is seen by the next RCPT without a read.
 
 Every operation runs under one ``asyncio.Lock``: the API runs in the core process only, so
-that lock serialises every read-modify-write and no concurrent add is lost.  File I/O runs
-in a thread, off the event loop.  The parsed list is kept while the file's stat stays the
-same, so reads of a big list cost a ``stat``; an operator's edit of the file (by rename, as
-the plugin asks) is picked up by the next call.
+that lock serialises every change and no concurrent add is lost.  The work (normalising
+the addresses, the journal's append and fsync, a listing's sort) runs in a thread, in
+chunks the event loop can run between.  When the journal has outgrown the snapshot, a
+background task folds it in, under the same lock.  An operator's edit of the snapshot (by
+rename, as the plugin asks) is picked up by the next call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
-from collections.abc import Callable, Collection, Mapping, Sequence
+import logging
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Final, cast
+from typing import Final, Protocol, cast
 
 from zoneq.config import Config
 from zoneq.config.plugins import PluginImportError, import_plugin, plugin_options
@@ -29,11 +32,10 @@ from zoneq.queue.intake import check_address
 
 __all__ = ["ALL_ZONES", "PLUGIN", "Check", "Page", "SuppressionLists", "Unavailable"]
 
+log = logging.getLogger("zoneq.api")
+
 PLUGIN: Final = "suppression"
 ALL_ZONES: Final = "*"
-
-Zones = dict[str, frozenset[str]]
-Stamp = tuple[int, int, int, int]
 
 
 class Unavailable(TemporaryFailure):
@@ -55,18 +57,29 @@ class Check:
     """Which lists hold the address: the zone's own and/or ``"*"``."""
 
 
+class SharedList(Protocol):
+    """What the API asks of the plugin module's ``SuppressionList``."""
+
+    def reload_if_changed(self) -> None: ...
+    def holds(self, zone: str, address: str) -> bool: ...
+    def window(self, zone: str, after: str | None, limit: int) -> tuple[list[str], int]: ...
+    def add(self, zone: str, addresses: Iterable[str]) -> tuple[int, int]: ...
+    def remove(self, zone: str, address: str) -> bool: ...
+    def wants_fold(self) -> bool: ...
+    def fold(self) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class _Format:
-    """The plugin module's file functions, typed."""
+    """The plugin module's functions, typed."""
 
-    load: Callable[[Path], Zones]
-    save: Callable[[Path, Mapping[str, Collection[str]]], None]
+    shared: Callable[[Path], SharedList]
+    save: Callable[[Path, dict[str, list[str]]], None]
     normalize: Callable[[str], str]
-    stamp: Callable[[Path], Stamp]
 
     @classmethod
     def of(cls, module: ModuleType) -> _Format:
-        names = ("load_file", "save_file", "normalize", "stamp")
+        names = ("shared_list", "save_file", "normalize")
         missing = [n for n in names if not callable(getattr(module, n, None))]
         if missing:
             raise ConfigError(
@@ -75,24 +88,21 @@ class _Format:
                 "the API can manage",
             )
         return cls(
-            load=cast(Callable[[Path], Zones], module.load_file),
-            save=cast(Callable[[Path, Mapping[str, Collection[str]]], None], module.save_file),
+            shared=cast(Callable[[Path], SharedList], module.shared_list),
+            save=cast(Callable[[Path, dict[str, list[str]]], None], module.save_file),
             normalize=cast(Callable[[str], str], module.normalize),
-            stamp=cast(Callable[[Path], Stamp], module.stamp),
         )
 
 
 class SuppressionLists:
     """List, add, remove and check suppressed addresses per zone (``"*"``: every zone)."""
 
-    def __init__(self, path: Path, file_format: _Format, zones: Collection[str]) -> None:
+    def __init__(self, path: Path, file_format: _Format, zones: Iterable[str]) -> None:
         self.path = path
         self._format = file_format
         self._zones = frozenset(zones)
         self._lock = asyncio.Lock()
-        self._stamp: Stamp | None = None
-        self._cached: Zones = {}
-        self._sorted: dict[str, list[str]] = {}
+        self._folding: asyncio.Task[None] | None = None
 
     @classmethod
     def from_config(cls, config: Config) -> SuppressionLists | None:
@@ -121,59 +131,73 @@ class SuppressionLists:
     def _address(self, address: str) -> str:
         return self._format.normalize(check_address(address))
 
-    def _read(self) -> Zones:
-        """The file's contents (a missing file is an empty list); in a thread, locked."""
+    def _list(self, *, create: bool = False) -> SharedList | None:
+        """The list, caught up with its files; in a thread, locked.  None when the file does
+        not exist (an empty list), unless ``create``: then an empty file is written."""
         try:
-            now = self._format.stamp(self.path)
+            listed = self._format.shared(self.path)
+            listed.reload_if_changed()
         except FileNotFoundError:
-            self._stamp, self._cached, self._sorted = None, {}, {}
-            return self._cached
+            if not create:
+                return None
+            try:
+                self._format.save(self.path, {})
+            except OSError as exc:
+                raise Unavailable(f"suppression list {self.path} not written: {exc}") from exc
+            return self._list()
         except OSError as exc:
             raise Unavailable(f"suppression list {self.path}: {exc}") from exc
-        if now != self._stamp:
-            try:
-                zones = self._format.load(self.path)
-            except (OSError, ValueError) as exc:
-                raise Unavailable(f"suppression list {exc}") from exc
-            self._stamp, self._cached, self._sorted = now, zones, {}
-        return self._cached
-
-    def _write(self, zones: Zones) -> None:
-        try:
-            self._format.save(self.path, zones)
-        except OSError as exc:
-            raise Unavailable(f"suppression list {self.path} not written: {exc}") from exc
-        self._stamp, self._cached, self._sorted = self._format.stamp(self.path), zones, {}
+        except ValueError as exc:
+            raise Unavailable(f"suppression list {exc}") from exc
+        return listed
 
     def _page(self, zone: str, cursor: str | None, limit: int) -> Page:
-        zones = self._read()
-        ordered = self._sorted.get(zone)
-        if ordered is None:
-            ordered = self._sorted[zone] = sorted(zones.get(zone, ()))
-        start = 0 if cursor is None else bisect.bisect_right(ordered, cursor)
-        chunk = ordered[start : start + limit]
-        more = start + limit < len(ordered)
-        return Page(chunk, chunk[-1] if more and chunk else None, len(ordered))
+        listed = self._list()
+        if listed is None:
+            return Page([], None, 0)
+        chunk, total = listed.window(zone, cursor, limit + 1)
+        more = len(chunk) > limit
+        return Page(chunk[:limit], chunk[limit - 1] if more else None, total)
 
-    def _add(self, zone: str, addresses: Sequence[str]) -> tuple[int, int]:
-        zones = self._read()
-        before = zones.get(zone, frozenset())
-        after = before.union(addresses)
-        if len(after) != len(before):
-            self._write({**zones, zone: after})
-        return len(after) - len(before), len(after)
+    def _add(self, zone: str, addresses: Sequence[str]) -> tuple[int, int, bool]:
+        normalized = [self._address(a) for a in addresses]  # all checked before any is kept
+        listed = self._list(create=True)
+        assert listed is not None
+        try:
+            added, total = listed.add(zone, normalized)
+        except OSError as exc:
+            raise Unavailable(f"suppression list {self.path} not written: {exc}") from exc
+        return added, total, listed.wants_fold()
 
-    def _remove(self, zone: str, address: str) -> None:
-        zones = self._read()
-        before = zones.get(zone, frozenset())
-        if address not in before:
-            raise NotFound(f"{address} is not on the suppression list of {zone}")
-        self._write({**zones, zone: before - {address}})
+    def _remove(self, zone: str, address: str) -> bool:
+        listed = self._list()
+        try:
+            if listed is None or not listed.remove(zone, address):
+                raise NotFound(f"{address} is not on the suppression list of {zone}")
+        except OSError as exc:
+            raise Unavailable(f"suppression list {self.path} not written: {exc}") from exc
+        return listed.wants_fold()
 
     def _check(self, zone: str, address: str) -> Check:
-        zones = self._read()
+        listed = self._list()
         names = [zone] if zone == ALL_ZONES else [ALL_ZONES, zone]
-        return Check(address, [z for z in names if address in zones.get(z, ())])
+        return Check(address, [z for z in names if listed is not None and listed.holds(z, address)])
+
+    def _fold(self) -> None:
+        try:
+            listed = self._list()
+            if listed is not None and listed.wants_fold():
+                listed.fold()
+        except (OSError, Unavailable) as exc:  # the journal still holds every change
+            log.warning("suppression list %s: journal not folded in: %s", self.path, exc)
+
+    def _fold_later(self, wanted: bool) -> None:
+        if wanted and (self._folding is None or self._folding.done()):
+            self._folding = asyncio.create_task(self._fold_locked())
+
+    async def _fold_locked(self) -> None:
+        async with self._lock:
+            await asyncio.to_thread(self._fold)
 
     # --- the operations: checked arguments, then the file work in a thread, locked ----------
 
@@ -186,14 +210,16 @@ class SuppressionLists:
         """How many of ``addresses`` were not listed yet, and how many the zone's list holds
         now; all are checked before any is written, so one bad address changes nothing."""
         zone = self._zone(zone)
-        normalized = [self._address(a) for a in addresses]
         async with self._lock:
-            return await asyncio.to_thread(self._add, zone, normalized)
+            added, total, fold = await asyncio.to_thread(self._add, zone, addresses)
+        self._fold_later(fold)
+        return added, total
 
     async def remove(self, zone: str, address: str) -> str:
         zone, normalized = self._zone(zone), self._address(address)
         async with self._lock:
-            await asyncio.to_thread(self._remove, zone, normalized)
+            fold = await asyncio.to_thread(self._remove, zone, normalized)
+        self._fold_later(fold)
         return normalized
 
     async def check(self, zone: str, address: str) -> Check:
