@@ -9,6 +9,7 @@ after the receiver on SIGTERM.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Final
@@ -20,6 +21,7 @@ from zoneq.api.context import CONTEXT, ApiContext
 from zoneq.api.errors import json_errors
 from zoneq.api.metrics import new_registry
 from zoneq.api.routes import setup_routes
+from zoneq.api.submit import BUILDS, JSON_BUILDS
 from zoneq.api.suppression_list import SuppressionLists
 from zoneq.api.token import ensure_token
 from zoneq.config import Config
@@ -64,6 +66,7 @@ def create_app(
     max_json = int(config.receiver.max_message_size) * 4 // 3 + JSON_OVERHEAD
     app = web.Application(middlewares=[json_errors, bearer_auth(token)], client_max_size=max_json)
     app[CONTEXT] = ctx
+    app[BUILDS] = asyncio.Semaphore(JSON_BUILDS)
     setup_routes(app)
     return app
 

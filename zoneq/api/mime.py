@@ -39,6 +39,13 @@ Attachments are sent base64; a ``multipart/*`` or ``message/*`` type is refused,
 parts may only be 7bit, 8bit or binary (RFC 2045 section 6.4, RFC 2046 section 5.2.1).  A
 whole message to forward goes as ``application/octet-stream``, or through the raw upload.
 
+Bounds, checked before anything is built (``check_bounds``): to, cc and bcc together hold
+at most ``receiver.max_recipients`` addresses, the limit SMTP answers 452 past; and each
+value zoneq writes into a header field (Subject, ``headers.*``, an address with its display
+name) at most ``HEADER_FIELD_MAX`` octets, Postfix's ``header_size_limit``.  The email
+package folds a field in time that grows with the square of its length (a 900 KB Subject:
+half a minute), so a cap is what keeps a build short.
+
 Bcc addresses go into the envelope only (RFC 5322 section 3.6.3: showing them would
 disclose them).  Date and Message-ID are added, as RFC 6409 section 8 lets a submission
 server do and RFC 5322 section 3.6 expects.
@@ -96,6 +103,8 @@ _JSON_KEY: Final = {
     "from": "from", "to": "to", "cc": "cc", "reply-to": "reply_to", "subject": "subject",
     "content-disposition": "attachments (a filename)",
 }  # fmt: skip
+# Postfix's header_size_limit (102400): the most a header field's value may hold, in octets.
+HEADER_FIELD_MAX: Final = 100 * 1024
 # Maintypes whose parts may not be base64-encoded (RFC 2045 6.4, RFC 2046 5.2.1).
 _UNENCODABLE: Final = frozenset({"multipart", "message"})
 # Fields zoneq writes itself, from the JSON's own keys, or that a client must not forge.
@@ -167,20 +176,72 @@ class _Checked(EmailPolicy):
         ``"Doe, John" <j@x>`` is read as the two mailboxes ``Doe`` and ``John <j@x>``.
         ``loose``: display names compared without their white space, as this Python's
         parser puts a space between adjacent encoded-words, which RFC 2047 6.2 says to
-        drop (a long word is split into several)."""
+        drop (a long word is split into several).
+
+        Read back one address (or group) at a time: the package's parser copies the rest
+        of the value at every token, so a whole list of thousands takes seconds."""
         if not isinstance(value, AddressHeader) or b"\r\n" not in folded[:-2]:
             return False
         text = _UNFOLD.sub(b"", folded.removesuffix(b"\r\n")).partition(b":")[2]
+        # UTF-8 only with UTF8_POLICY (RFC 6532); kept as surrogates where it is not.
+        entries = _entries(text.decode("utf-8", "surrogateescape"))
+        if len(entries) != len(value.groups):
+            return True
+        return any(
+            self._misread_one(name, entry, group, loose)
+            for entry, group in zip(entries, value.groups, strict=True)
+        )
+
+    def _misread_one(self, name: str, entry: str, group: Group, loose: bool) -> bool:
         try:
-            # UTF-8 only with UTF8_POLICY (RFC 6532); kept as surrogates where it is not.
-            read = self.header_factory(name, text.decode("utf-8", "surrogateescape").lstrip())
+            read = self.header_factory(name, entry.strip())
         # The package's parser can fail inside its own code on what it wrote unquoted (a
         # ``(`` left open, a ``:`` read as a group's): not read back as given either.
         except (HeaderParseError, ValueError, IndexError, AttributeError, TypeError):
             return True
         if not isinstance(read, AddressHeader):
             return True
-        return _shape(read.groups, loose) != _shape(value.groups, loose)
+        return _shape(read.groups, loose) != _shape((group,), loose)
+
+
+# What opens a part of an address list in which a comma separates nothing (RFC 5322 3.2.4,
+# 3.2.2, 3.4, 3.4.1), and what closes it; a group (``:`` to ``;``) only at the top.
+_OPENS: Final = {'"': '"', "(": ")", "<": ">", "[": "]"}
+# Where a backslash quotes the next character (a quoted-pair, 3.2.1).
+_QUOTING: Final = frozenset({'"', ")", "]"})
+
+
+def _entries(text: str) -> list[str]:
+    """An address list's text split at the commas between its addresses and groups (RFC
+    5322 3.4): not one in a quoted-string, a comment, an angle-addr, a domain-literal or a
+    group.  Text the package wrote badly (a quote or a comment left open) gives another
+    number of entries than it should have, which ``_misread`` counts as misread."""
+    entries: list[str] = []
+    start, escaped = 0, False
+    closers: list[str] = []  # of what is open, innermost last
+    for at, char in enumerate(text):
+        inside = closers[-1] if closers else ""
+        if escaped:
+            escaped = False
+        elif char == "\\" and inside in _QUOTING:
+            escaped = True
+        elif char == inside:
+            closers.pop()
+        elif inside in ('"', "]"):
+            continue  # literal text
+        elif char == "(":
+            closers.append(")")  # comments nest (3.2.2)
+        elif inside == ")":
+            continue
+        elif char in _OPENS:
+            closers.append(_OPENS[char])
+        elif char == ":" and not closers:
+            closers.append(";")
+        elif char == "," and not closers:
+            entries.append(text[start:at])
+            start = at + 1
+    entries.append(text[start:])
+    return entries
 
 
 def _shape(groups: tuple[Group, ...], loose: bool) -> object:
@@ -342,6 +403,41 @@ def _mailboxes(values: list[str], what: str) -> list[_Mailbox]:
 
 def _addresses(boxes: list[_Mailbox]) -> list[Address]:
     return [box.header for box in boxes]
+
+
+def _octets(value: str) -> int:
+    return len(value.encode("utf-8", "surrogatepass"))
+
+
+def _header_values(submission: Submission) -> list[tuple[str, str]]:
+    """Each value written into a header field (a Bcc address is parsed as one), with the
+    JSON key that names it."""
+    lists = {
+        "to": submission.to, "cc": submission.cc, "bcc": submission.bcc,
+        "reply_to": submission.reply_to,
+    }  # fmt: skip
+    values = [("from", submission.from_), ("subject", submission.subject)]
+    for key, listed in lists.items():
+        values.extend((f"{key}[{i}]", value) for i, value in enumerate(listed))
+    values.extend((f"headers.{name}", value) for name, value in submission.headers.items())
+    return values
+
+
+def check_bounds(submission: Submission, *, max_recipients: int) -> None:
+    """``Unacceptable`` naming the key when the submission is over a bound (the module
+    docstring); cheap, linear in its size, so it runs before the build."""
+    count = len(submission.to) + len(submission.cc) + len(submission.bcc)
+    if count > max_recipients:
+        raise Unacceptable(
+            f"to, cc and bcc: {count} addresses in all, more than receiver.max_recipients "
+            f"({max_recipients}) for one message; send the rest in another"
+        )
+    for key, value in _header_values(submission):
+        if _octets(value) > HEADER_FIELD_MAX:
+            raise Unacceptable(
+                f"{key}: longer than {HEADER_FIELD_MAX} octets, the most zoneq writes into "
+                "one header field"
+            )
 
 
 def build(submission: Submission, *, hostname: str, now_ms: int) -> tuple[bytes, Envelope]:

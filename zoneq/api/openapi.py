@@ -81,7 +81,8 @@ _ERRORS: Final = {
     413: "over receiver.max_message_size",
     422: "every recipient was refused by a queue:route plugin (5yz replies): nothing stored",
     503: "queue storage unavailable (local, temporary): nothing stored, try again; for a "
-    "submission also a failing plugin, or every recipient refused with a 4yz reply among them",
+    "submission also a failing plugin, every recipient refused with a 4yz reply among them, "
+    "or (JSON) too long a wait behind other submissions being built",
 }
 
 

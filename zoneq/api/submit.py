@@ -12,18 +12,28 @@ reply: do not send this again) or 503 with Retry-After (a 4yz reply among them: 
 work).  A failing plugin is 503 too, as any local fault.  When every recipient was dropped
 by a plugin (accepted, not delivered, an event each) the answer is 200: nothing was
 created, so there is no Location.
+
+A JSON submission is read whole and built into a message (``zoneq.api.mime``): the body,
+its model, the decoded attachments and the message's bytes are several copies of the
+attachment at once, and the build is CPU work of up to seconds.  So at most ``JSON_BUILDS``
+are read and built at once, in a thread, off the event loop that SMTP sessions and the other
+requests share.  The rest wait, their bodies unread (TCP holds them back, not memory), for
+at most ``JSON_WAIT_S``: then 503 with Retry-After, as any local and temporary fault, rather
+than a client left hanging behind a queue of big builds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterable, AsyncIterator
+from typing import Final
 
 from aiohttp import ClientPayloadError, web
 
 from zoneq.api.context import context
 from zoneq.api.errors import RETRY_AFTER_S, error_response, parse_body
-from zoneq.api.mime import build
+from zoneq.api.mime import build, check_bounds
 from zoneq.api.models import Queued, RefusedRecipient, Submission
 from zoneq.plugin import PluginFailure
 from zoneq.protocol.ids import format_id
@@ -33,6 +43,9 @@ from zoneq.queue.intake import Envelope, Receipt, Refused
 log = logging.getLogger("zoneq.api")
 
 READ_SIZE = 65_536
+JSON_BUILDS: Final = 2
+JSON_WAIT_S: Final = 30.0
+BUILDS: Final = web.AppKey("json_builds", asyncio.Semaphore)
 
 
 def _source(request: web.Request, how: str) -> dict[str, str]:
@@ -98,11 +111,37 @@ async def _once(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
 
+def _built(
+    raw: bytes, *, hostname: str, now_ms: int, max_recipients: int
+) -> tuple[bytes, Envelope]:
+    """The JSON body made into a message; in a thread (touches no loop state)."""
+    submission = parse_body(Submission, raw)
+    check_bounds(submission, max_recipients=max_recipients)
+    return build(submission, hostname=hostname, now_ms=now_ms)
+
+
 async def submit_json(request: web.Request) -> web.Response:
     ctx = context(request)
-    submission = parse_body(Submission, await request.read())
-    hostname = ctx.config.server.resolved_hostname()
-    data, envelope = build(submission, hostname=hostname, now_ms=ctx.clock())
+    builds = request.app[BUILDS]
+    try:
+        async with asyncio.timeout(JSON_WAIT_S):
+            await builds.acquire()
+    except TimeoutError:
+        text = "busy building other JSON submissions (local, temporary): nothing was stored"
+        return error_response(503, text, {"Retry-After": RETRY_AFTER_S})
+    # Released when the build ends: aiohttp does not cancel a handler whose client left
+    # (its handler_cancellation is off), so the thread never outlives the permit.
+    try:
+        raw = await request.read()
+        data, envelope = await asyncio.to_thread(
+            _built,
+            raw,
+            hostname=ctx.config.server.resolved_hostname(),
+            now_ms=ctx.clock(),
+            max_recipients=ctx.config.receiver.max_recipients,
+        )
+    finally:
+        builds.release()
     return await _queue(request, _once(data), envelope, "http", len(data))
 
 
