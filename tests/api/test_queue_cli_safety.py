@@ -1,6 +1,8 @@
 """``zoneq queue`` and ``zoneq send`` never do more, or destroy more, than the operator
-asked: ``source -o FILE`` leaves FILE alone unless the whole message came; an empty filter
-is refused, not read as "no filter"; ``send`` reads standard input and pipes.
+asked: ``source -o FILE`` leaves FILE alone unless the whole message came (or, when FILE
+must be written in place to stay the same file, says that it holds only part), and never
+writes what ``> FILE`` could not; an empty filter is refused, not read as "no filter";
+``send`` reads standard input and pipes, and says when it is closed.
 
 The command is run as a process, against listeners of the test's own on 127.0.0.1 (a
 closed port, a canned HTTP answer) or the real API over a real store (``api_running``).
@@ -11,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +103,94 @@ def test_a_path_that_cannot_be_written_is_a_usage_error_naming_it(
     assert list((tmp_path / "dir").iterdir()) == []
 
 
+NOBODY = 65534  # another user's uid and gid (``nobody``, ``nogroup``)
+# Root as a user is, with no power over others' files and folders: permission bits apply.
+AS_A_USER = (
+    "setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search,-fowner"
+)  # fmt: skip
+as_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="changes owners, and drops root's powers with setpriv",
+)
+
+
+@as_root
+@pytest.mark.parametrize("case", ["another user's", "hard-linked"])
+def test_a_file_a_rename_would_change_is_written_in_place(tmp_path: Path, case: str) -> None:
+    """Renamed over, the file would become root's or lose its other name: written in
+    place it stays the same file, as ``> FILE`` leaves it."""
+    saved = tmp_path / "keep.eml"
+    saved.write_bytes(SAVED)
+    if case == "another user's":
+        os.chown(saved, NOBODY, NOBODY)
+    else:
+        os.link(saved, tmp_path / "other-name.eml")
+    before = saved.stat()
+    with not_http(SOURCE_OK) as port:
+        assert source_to(saved, port) == (0, "")
+    after = saved.stat()
+    assert saved.read_bytes() == SOURCE
+    kept = ("st_ino", "st_uid", "st_gid", "st_nlink", "st_mode")
+    assert [getattr(after, k) for k in kept] == [getattr(before, k) for k in kept]
+    if case == "hard-linked":
+        assert (tmp_path / "other-name.eml").read_bytes() == SOURCE
+
+
+def source_as_a_user(target: Path, port: int) -> subprocess.CompletedProcess[str]:
+    command = [*AS_A_USER, sys.executable, "-m", "zoneq", "queue", "source", MSG]
+    options = ["-o", str(target), "--api", f"127.0.0.1:{port}", "--token", "t"]
+    return subprocess.run(
+        command + options, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+@as_root
+def test_a_writable_file_in_a_read_only_folder_is_written(tmp_path: Path) -> None:
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    saved = folder / "keep.eml"
+    saved.write_bytes(SAVED)
+    saved.chmod(0o666)
+    os.chown(folder, NOBODY, NOBODY)
+    folder.chmod(0o555)
+    with not_http(SOURCE_OK) as port:
+        done = source_as_a_user(saved, port)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert saved.read_bytes() == SOURCE
+    assert [p.name for p in folder.iterdir()] == ["keep.eml"]
+
+
+@as_root
+@pytest.mark.parametrize("owner", [NOBODY, 0])
+def test_a_file_the_user_may_not_write_is_refused_and_kept(tmp_path: Path, owner: int) -> None:
+    """0444, another's or our own: refused as ``> FILE`` is, not renamed over."""
+    saved = tmp_path / "keep.eml"
+    saved.write_bytes(SAVED)
+    os.chown(saved, owner, owner)
+    saved.chmod(0o444)
+    with not_http(SOURCE_OK) as port:
+        done = source_as_a_user(saved, port)
+    assert (done.returncode, done.stderr) == (
+        2,
+        f"zoneq: cannot write {saved}: Permission denied\n",
+    )
+    assert saved.read_bytes() == SAVED
+    assert saved.stat().st_uid == owner and saved.stat().st_mode & 0o777 == 0o444
+
+
+def test_a_download_cut_short_in_place_says_the_file_is_partial(tmp_path: Path) -> None:
+    saved = tmp_path / "keep.eml"
+    saved.write_bytes(SAVED)
+    os.link(saved, tmp_path / "other-name.eml")  # written in place, not renamed over
+    with not_http(SOURCE_OK[:-10]) as port:  # Content-Length promises 10 octets more
+        code, said = source_to(saved, port)
+    assert code == 1
+    assert said.startswith("zoneq: the download broke off")
+    assert said.endswith(f"; {saved} holds only part of the message (0)\n"), said
+    assert saved.read_bytes() == SOURCE[:-10]  # left as it is, not removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.eml", "other-name.eml"]
+
+
 # --- empty filters -----------------------------------------------------------------------
 
 
@@ -175,6 +267,21 @@ async def test_send_reads_stdin_and_pipes_within_the_size_limit(
         )
         done = await cli(api, "send", str(tmp_path / "nope.eml"))
         assert (done.code, done.err) == (2, f"zoneq: no such file: {tmp_path / 'nope.eml'}\n")
+
+
+def test_send_with_standard_input_closed_is_a_usage_error() -> None:
+    """Started with descriptor 0 closed (``zoneq send - <&-``), Python has no sys.stdin."""
+    api = ("--api", f"127.0.0.1:{closed_port()}", "--token", "t")
+    done = subprocess.run(
+        [sys.executable, "-m", "zoneq", "send", "-", "--to", "b@ok.test", *api],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        preexec_fn=lambda: os.close(0),
+    )
+    assert (done.returncode, done.stderr) == (2, "zoneq: -: standard input is closed\n")
 
 
 @async_test

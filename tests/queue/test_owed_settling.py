@@ -243,6 +243,59 @@ async def test_a_failure_staged_while_its_messages_notice_lands_is_told(
     await assert_consistent(store)
 
 
+def held_compose(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """``compose`` held in its thread: (entered, go): it waits for ``go`` (10 s at most)."""
+    entered, go = threading.Event(), threading.Event()
+    real = bounces.compose
+
+    def compose(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        go.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bounces, "compose", compose)
+    return entered, go
+
+
+@pytest.mark.parametrize("meanwhile", ["deleted", "second failure"])
+@async_test
+async def test_what_changes_while_a_notice_is_composed_is_read_again_before_it_lands(
+    stores: StoreFactory, monkeypatch: pytest.MonkeyPatch, meanwhile: str
+) -> None:
+    """The notice is composed in a thread from what the message owed when it was taken;
+    meanwhile the message is deleted (a delete is silent: no DSN), or its second failure
+    is staged (told once, in the notice composed next, not lost and not told twice).
+    Only the records read again before staging say so."""
+    store = stores.open()
+    service = service_for(store, Clock())
+    rcpts = [("a@one.test", Z), ("b@two.test", Z)]
+    msg_id = await queue_message(store, rcpts)
+    first, second = sorted(await jobs_of(service, 2), key=lambda job: job.domain)
+    await service.report("w1", outcome(first, Result.BOUNCED, **REFUSED))  # waits for b
+    entered, go = held_compose(monkeypatch)
+    settling = asyncio.ensure_future(service._settle_owed(T0, every=True))
+    try:
+        await until(entered)
+        if meanwhile == "deleted":
+            assert await store.drop(msg_id, T0) == 1  # b still leased: the message goes
+        else:
+            await service.report("w1", outcome(second, Result.BOUNCED, **REFUSED))
+        await store.drain()
+    finally:
+        go.set()
+    await settling
+    await run_once(service)
+    await service._settle_owed(T0, every=True)
+    await store.drain()
+    if meanwhile == "deleted":
+        assert store.count(BOUNCES, State.READY) == 0
+    else:
+        assert store.count(BOUNCES, State.READY) == 1
+        assert listed(dsn_of(store)) == rfc822(rcpts)
+    assert store.owed_messages() == []
+    await assert_consistent(store)
+
+
 async def until_gated(db: FaultyDatabase) -> None:
     for _ in range(500):
         if db.gate is not None and db.entered.is_set():

@@ -5,21 +5,30 @@ close: a client that reads nothing keeps a closing transport open (its replies a
 queued), and the wait must end after the limit all the same; a connection that closes
 ends it at once.  ``SmtpReceiver.may_relay`` remembers ``RelayPolicy``'s answer per client
 address: it must give the policy's answer every time, the first and the later ones.
+A write to a connection the client reset is a lost client, on uvloop too, never an error
+logged as ours.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
+import socket
+import struct
 import time
 from pathlib import Path
 
-from tests.receiver.harness import run
+import pytest
+
+from tests.receiver.harness import Raw, run
 from tests.receiver.test_connection import _linked  # a Link server and a raw client
 from zoneq.receiver import SmtpReceiver
 from zoneq.receiver.relay import RelayPolicy
 from zoneq.storage.store import QueueStore
 
 TIMEOUT = 20.0
+CLIENTS = 20  # the reset races the reply's write: a few tries make it sure
 
 
 def test_wait_closed_gives_up_after_its_time_limit_while_the_client_reads_nothing() -> None:
@@ -81,3 +90,28 @@ def test_may_relay_gives_the_policys_answer_every_time(tmp_path: Path) -> None:
                 assert rx.may_relay(ip) is allowed, ip
 
     run(tmp_path, body, allow_networks=NETWORKS)
+
+
+def test_a_client_that_resets_after_the_final_dot_ends_its_session_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Reset (SO_LINGER 0) with the message's 250 still to write: on uvloop, a write to
+    the reset transport raised RuntimeError, which escaped the session as a task's
+    "exception was never retrieved" at ERROR.  A lost client is a normal end."""
+
+    async def body(rx: SmtpReceiver, _store: QueueStore) -> None:
+        for _ in range(CLIENTS):
+            raw = await Raw.connect(rx.port)
+            await raw.start(rcpt="d@ok.test")
+            sock = raw.writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            await raw.send(b"Subject: x\r\n\r\nbody\r\n.\r\nQUIT\r\n")
+            raw.writer.transport.abort()  # an RST, at once
+        await asyncio.sleep(0.5)  # the sessions' ends
+        gc.collect()  # a failed task's error is logged when it is collected
+
+    with caplog.at_level(logging.WARNING):
+        run(tmp_path, body, on_uvloop=True)
+        gc.collect()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == []

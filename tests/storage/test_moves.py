@@ -7,8 +7,10 @@ new store as a restart would.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,7 +23,7 @@ from tests.storage.conftest import (
     queue_message,
 )
 from zoneq.errors import StorageUnavailable
-from zoneq.storage import keys
+from zoneq.storage import keys, moves
 from zoneq.storage.leveldb import Database, Op
 from zoneq.storage.maintenance import moved_zone_note
 from zoneq.storage.records import State
@@ -395,3 +397,39 @@ async def test_moved_deferred_recipients_come_due_in_a_target_already_past_them(
 
     assert await store.promote_due(NEW, DUE + 3 * MINUTE) == 1
     assert store.count(NEW, State.READY) == 2
+
+
+def in_an_idle_page(monkeypatch: pytest.MonkeyPatch, act: Callable[[], Awaitable[object]]) -> None:
+    """Run ``act`` once, in the first page of the move that moved nothing (its
+    ``asyncio.sleep(0)`` lets the loop in, so a worker's report comes in there)."""
+    acted = False
+
+    async def sleep(delay: float) -> None:
+        nonlocal acted
+        if not acted:
+            acted = True
+            await act()
+        await asyncio.sleep(delay)
+
+    monkeypatch.setattr(moves, "asyncio", SimpleNamespace(sleep=sleep))
+
+
+@async_test
+async def test_a_lease_that_ends_in_a_pass_that_moved_nothing_is_moved(
+    store: QueueStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every record is leased, so the first pass moves nothing; meanwhile one attempt
+    ends (deferred) behind the walk.  The pass must not be the last: the zone's leases
+    changed during it, and the deferred record is there to move."""
+    first = await queue_message(store, [("a@example.org", OLD)])
+    second = await queue_message(store, [("b@example.org", OLD)])
+    (lease,) = store.lease(OLD, 1, "w", accept=lambda r: r.msg_id == first)
+    store.lease(OLD, 1, "w", accept=lambda r: r.msg_id == second)
+    in_an_idle_page(monkeypatch, lambda: store.defer(lease, T0, DUE, Outcome(reply="451 later")))
+
+    moved = await store.move_zone(OLD, NEW, batch=1)
+
+    assert (moved.moved, moved.in_flight) == (1, 1)
+    assert where(store, first, "a@example.org") == [(keys.DEFERRED, NEW)]
+    assert due_keys(store, OLD) == [] and len(due_keys(store, NEW)) == 1
+    await assert_consistent(store)

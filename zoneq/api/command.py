@@ -179,18 +179,21 @@ def _show(api: ApiClient, args: argparse.Namespace) -> Result:
 def _replacing(target: Path) -> Iterator[IO[bytes]]:
     """A file for the whole of a download to ``target``, opened once the API has said yes.
 
-    A regular file (or a new one) is written beside ``target`` under a temporary name and
-    renamed over it (atomic on POSIX) only when the whole message is there: a part of a
-    message must not pass for one, and a failed download leaves what was there before.
-    Anything else (``/dev/null``, a FIFO, a terminal) is written to directly and never
-    renamed over or removed: the command removes nothing it did not create."""
-    if target.exists() and not target.is_file():
-        if target.is_dir():
-            raise IsADirectoryError(errno.EISDIR, "is a directory")
-        with target.open("wb") as out:
+    A new file, or a regular file of ours that a new one could stand in for (``_renamable``),
+    is written beside ``target`` under a temporary name and renamed over it (atomic on
+    POSIX) only when the whole message is there: a part of a message must not pass for
+    one, and a failed download leaves what was there before.  Anything else is written in
+    place, as the shell's ``> FILE`` would: a file in a folder we cannot write, another
+    user's or a write-protected file (opened only if we may write it: refused otherwise,
+    as ``>`` is), one with hard links, ``/dev/null``, a FIFO.  Nothing is ever removed or
+    renamed over there: the command removes nothing it did not create."""
+    if target.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a directory")
+    final = target.resolve()  # through a symlink: the link stays, its file is replaced
+    if not _renamable(final):
+        with _in_place(target) as out:
             yield out
         return
-    final = target.resolve()  # through a symlink: the link stays, its file is replaced
     mode = final.stat().st_mode & 0o7777 if final.exists() else _new_file_mode()
     fd, temporary = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".part")
     try:
@@ -201,6 +204,39 @@ def _replacing(target: Path) -> Iterator[IO[bytes]]:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def _renamable(final: Path) -> bool:
+    """Whether a file renamed over ``final`` would be the same file to everyone else: the
+    folder takes new names, and ``final`` is new or a regular file that is ours (owner and
+    group), writable by us and has no other link.  A rename would otherwise give another
+    user's file to us, lift its write protection, or cut it off from its hard links."""
+    if not os.access(final.parent, os.W_OK | os.X_OK):
+        return False
+    try:
+        info = final.stat()
+    except FileNotFoundError:
+        return True
+    return (
+        stat.S_ISREG(info.st_mode)
+        and info.st_nlink == 1
+        and (info.st_uid, info.st_gid) == (os.geteuid(), os.getegid())
+        and os.access(final, os.W_OK)
+    )
+
+
+@contextlib.contextmanager
+def _in_place(target: Path) -> Iterator[IO[bytes]]:
+    """``target`` truncated and written, as ``> FILE`` does; opening it is what checks that
+    we may write it.  Cut short, it holds only part of the message, and is left so (never
+    removed: it is not ours to remove), which the error says."""
+    with target.open("wb") as out:
+        try:
+            yield out
+        except ApiError as exc:
+            raise ApiError(
+                exc.status, f"{exc.message}; {target} holds only part of the message"
+            ) from None
 
 
 def _new_file_mode() -> int:
@@ -333,6 +369,8 @@ def _opened(name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
     """The message file to send, open for reading: ``-`` is standard input, as for
     ``zoneq suppression --file -``; a pipe or a device such as /dev/stdin is read too."""
     if name == "-":
+        if sys.stdin is None:  # started with descriptor 0 closed (``<&-``)
+            raise UsageError("-: standard input is closed")
         return contextlib.nullcontext(sys.stdin.buffer)  # not closed: it is not ours
     path = Path(name)
     try:

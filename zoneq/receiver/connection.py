@@ -171,7 +171,15 @@ class Link(asyncio.Protocol):
     # --- writing -----------------------------------------------------------------------
 
     def write(self, data: bytes) -> None:
-        self.transport.write(data)
+        """Queue ``data`` for the client.  A write after the client reset the connection
+        is a lost client, as a read or a drain then says (``ConnectionResetError``, which
+        a session's end expects): asyncio's transport drops the bytes, but uvloop's raises
+        RuntimeError ("the handler is closed"), which would escape the session and be
+        logged as a fault of ours ("Task exception was never retrieved")."""
+        try:
+            self.transport.write(data)
+        except RuntimeError as exc:
+            raise ConnectionResetError(f"Connection lost: {exc}") from None
 
     def write_buffer_size(self) -> int:
         return self.transport.get_write_buffer_size()
