@@ -30,8 +30,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # Read once: this text, not the file as it may be edited later, is what every
         # worker runs (the supervisor hands it to them; there is no reload).
         text = read_config_text(args.config)
-        # serving: serve binds the listen addresses, so they must be this host's (found
-        # here, before the queue opens); its children are handed the sockets.
+        # serving: serve binds the listen addresses and its workers the pools' source
+        # addresses, so they must be this host's (found here, before the queue opens).
         config = loads_config(text, source=config_source(args.config), serving=True)
     except ConfigError as exc:
         print(f"zoneq: configuration error:\n{exc}", file=sys.stderr)
@@ -52,11 +52,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _child_config(args: argparse.Namespace) -> Config:
     """A worker's or receiver's config: with ``--config-on-stdin`` the text serve loaded at
     its start (``--config`` only names it), so an edit of the file since then reaches no
-    restarted child (there is no reload); else the file, for a child started by hand."""
+    restarted child (there is no reload); else the file, for a child started by hand.
+
+    A worker binds its zone's source addresses, so it checks the pools are this host's
+    (a receiver binds none: it is handed serve's sockets)."""
+    pools = args.command == "worker"
     if not args.config_on_stdin:
-        return load_config(args.config)
+        return load_config(args.config, pools=pools)
     text = sys.stdin.buffer.read().decode("utf-8")  # serve read it as UTF-8
-    return loads_config(text, source=config_source(args.config))
+    return loads_config(text, source=config_source(args.config), pools=pools)
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:

@@ -95,14 +95,15 @@ def default_config_text() -> str:
     return resources.files("zoneq.config").joinpath(DEFAULT_CONFIG_NAME).read_text(encoding="utf-8")
 
 
-def load_config(path: Path | None = None, *, serving: bool = False) -> Config:
+def load_config(path: Path | None = None, *, serving: bool = False, pools: bool = False) -> Config:
     """Read, parse and validate the configuration at ``path`` (the embedded default if None).
 
     Raises ``ConfigError`` if the file cannot be read, and ``InvalidConfig`` (a
     ``ConfigError``) listing every fault if it is not valid TOML or not a valid config.
-    ``serving``: as ``validate_config``.
+    ``serving``, ``pools``: as ``validate_config``.
     """
-    return loads_config(read_config_text(path), source=config_source(path), serving=serving)
+    source = config_source(path)
+    return loads_config(read_config_text(path), source=source, serving=serving, pools=pools)
 
 
 def config_source(path: Path | None) -> str:
@@ -131,28 +132,36 @@ def read_config_text(path: Path | None) -> str:
         ) from None
 
 
-def loads_config(text: str, source: str = "<string>", *, serving: bool = False) -> Config:
+def loads_config(
+    text: str, source: str = "<string>", *, serving: bool = False, pools: bool = False
+) -> Config:
     """Parse and validate configuration text; ``source`` names it in messages.
-    ``serving``: as ``validate_config``."""
+    ``serving``, ``pools``: as ``validate_config``."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         # The message already ends "(at line L, column C)".
         raise InvalidConfig([Problem("", f"{source}: invalid TOML: {exc}")], source) from None
-    return validate_config(data, source, serving=serving)
+    return validate_config(data, source, serving=serving, pools=pools)
 
 
 def validate_config(
-    data: Mapping[str, Any], source: str = "<data>", *, serving: bool = False
+    data: Mapping[str, Any],
+    source: str = "<data>",
+    *,
+    serving: bool = False,
+    pools: bool = False,
 ) -> Config:
     """Validate already-parsed configuration data (as ``tomllib`` returns it).
 
-    After the model, the checks that ask this machine: pool addresses must be local, and
-    enabled plugins must import with valid options.  Nothing starts half-configured.
+    After the model, enabled plugins must import with valid options, and the checks that
+    ask this machine run for the processes that bind those addresses.  Nothing starts
+    half-configured.
 
-    ``serving``: also require the listen addresses to be this host's, for serve's own
-    start-up and check-config.  No other process binds them: the receiver children get
-    serve's sockets, the workers and the admin CLI none.  A worker restarted after a
+    ``serving``: require the listen addresses and the pools' source addresses to be this
+    host's, for serve's own start-up and check-config.  ``pools``: the pools' only, for a
+    zone worker, which binds them.  No other process binds either: the receiver children
+    get serve's sockets, the admin CLI and export none.  A worker restarted after a
     failover moved the receiver's address to another host must still start, and the CLI
     must run on any host that shares the config.
     """
@@ -162,8 +171,9 @@ def validate_config(
         faulty = {error["loc"][0] for error in exc.errors() if error["loc"]}
         problems = [*problems_from(exc), *_cross_problems(data, faulty)]
         raise InvalidConfig(problems, source) from None
+    pool = list(_pool_problems(config)) if serving or pools else []
     listen = list(_listen_problems(config)) if serving else []
-    problems = [*_pool_problems(config), *listen, *_plugin_problems(config)]
+    problems = [*pool, *listen, *_plugin_problems(config)]
     if problems:
         refused = InvalidConfig(problems, source)
         refused.model = config  # check-config runs the plugins' init on it
@@ -400,7 +410,8 @@ def _flatten(node: Any) -> Iterator[Any]:
 
 
 def _pool_problems(config: Config) -> Iterator[Problem]:
-    """A pool address that is not one of this host's would fail every connection from it."""
+    """A pool address that is not one of this host's would fail every connection from it.
+    Only when ``serving`` or ``pools`` (``validate_config``): only a worker binds these."""
     for zone_name, zone in config.zones.items():
         for index, entry in enumerate(zone.pool):
             reason = _bind_failure(entry.address)

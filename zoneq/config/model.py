@@ -45,12 +45,14 @@ from zoneq.config.types import (
     MAX_DURATION,
     PROBLEMS_ERROR_TYPE,
     Duration,
+    EhloName,
     HostName,
     Network,
     NonEmptyPath,
     Size,
     SocketPath,
     ZoneName,
+    address_literal,
     domain_keys,
     domain_lookup,
     duration_ceiling_problem,
@@ -128,11 +130,12 @@ _LOCAL_NAMES: Final = frozenset({"localhost", "localhost.localdomain"})
 def _qualified(name: str) -> bool:
     """Whether ``name`` can stand as an EHLO domain (RFC 5321 sections 2.3.5 and 4.1.1.1:
     a fully-qualified name): dotted and not the loopback's name.  An address literal
-    (``[192.0.2.1]``) is the other form the RFC allows."""
+    (``[192.0.2.1]``) is the other form the RFC allows; a bare address (a machine's own
+    name may be one) is neither."""
     name = name.lower().rstrip(".")
     if name.startswith("["):
         return name.endswith("]")
-    return "." in name and name not in _LOCAL_NAMES
+    return "." in name and name not in _LOCAL_NAMES and address_literal(name) is None
 
 
 def machine_hostname() -> str:
@@ -147,7 +150,7 @@ def machine_hostname() -> str:
 class ServerConfig(_Section):
     """``[server]``: who we are and where the queue lives."""
 
-    hostname: HostName | None = None
+    hostname: EhloName | None = None
     """EHLO and Reporting-MTA name; None means the machine's FQDN, looked up at start-up
     (``machine_hostname``: never "localhost" when the machine has a better name)."""
 
@@ -242,7 +245,7 @@ class ZoneConfig(_Section):
     max_age: Duration = DEFAULT_MAX_AGE
     """Age at which a still-undelivered recipient is bounced."""
 
-    ehlo_name: HostName | None = None
+    ehlo_name: EhloName | None = None
     """EHLO name for this zone; None means ``server.hostname``."""
 
     ipv6: bool = True

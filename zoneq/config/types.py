@@ -25,6 +25,7 @@ __all__ = [
     "PROBLEMS_ERROR_TYPE",
     "SIZE_EXPECTED",
     "Duration",
+    "EhloName",
     "HostName",
     "Network",
     "NonEmptyPath",
@@ -33,6 +34,7 @@ __all__ = [
     "SocketPath",
     "TimeLimit",
     "ZoneName",
+    "address_literal",
     "domain_keys",
     "domain_lookup",
     "domain_name",
@@ -209,6 +211,30 @@ def _check_host_name(value: str) -> str:
     return value
 
 
+def address_literal(name: str) -> str | None:
+    """The address literal (RFC 5321 section 4.1.3) for ``name`` when it is a bare IP
+    address: ``[192.0.2.1]``, ``[IPv6:2001:db8::1]``; None for anything else."""
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return None
+    return f"[IPv6:{address}]" if address.version == 6 else f"[{address}]"
+
+
+def _check_ehlo_name(value: str) -> str:
+    # RFC 5321 section 4.1.1.1: EHLO takes a domain or an address literal.  A bare address
+    # is neither: "EHLO 192.0.2.1" reads as a domain whose labels are all digits, which
+    # receivers refuse or score as a forged or non-FQDN HELO.
+    literal = address_literal(value)
+    if literal is not None:
+        reason = (
+            f"{value!r} is an IP address, not a host name: write {literal!r} "
+            "(an address literal, RFC 5321 section 4.1.3), or a domain"
+        )
+        raise PydanticCustomError("host_name", "{reason}", {"reason": reason})
+    return _check_host_name(value)
+
+
 def _check_network(value: str) -> str:
     try:
         ipaddress.ip_network(value)
@@ -270,6 +296,8 @@ ZoneName = Annotated[str, AfterValidator(_check_zone_name)]
 """1..64 of letters, digits, ``-``, ``_``, ``.``: safe in log lines, metrics labels and keys."""
 
 HostName = Annotated[str, AfterValidator(_check_host_name)]
+EhloName = Annotated[str, AfterValidator(_check_ehlo_name)]
+"""A name zoneq gives itself in EHLO: a ``HostName`` that is not a bare IP address."""
 """A name usable as our EHLO argument: a domain or a bracketed address literal."""
 
 Network = Annotated[str, AfterValidator(_check_network)]

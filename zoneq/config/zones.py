@@ -14,7 +14,14 @@ from typing import Annotated, Final, Literal, Self
 from pydantic import AfterValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from zoneq.config.types import HostName, Section, domain_keys, domain_lookup, problems_error
+from zoneq.config.types import (
+    EhloName,
+    HostName,
+    Section,
+    domain_keys,
+    domain_lookup,
+    problems_error,
+)
 
 __all__ = [
     "ConnectionLimits",
@@ -118,7 +125,7 @@ class PoolAddress(Section):
     address: IpAddress
     """A local address of this host (checked at start-up with a bind to port 0)."""
 
-    ehlo_name: HostName | None = None
+    ehlo_name: EhloName | None = None
     """EHLO name to use from this address (it should be the address's PTR name: receivers
     compare them, RFC 5321 section 4.1.4 notwithstanding); None: the zone's own."""
 
