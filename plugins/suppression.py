@@ -94,6 +94,12 @@ SMALL_CHANGE: Final = 1000
 Stamp = tuple[int, int, int, int]
 
 
+class JournalUncertain(OSError):
+    """A change written to the journal that could be neither made durable nor cut off
+    again: readers may apply it or not.  Trying the change again is safe (an add or a
+    remove of the same addresses leaves the same list)."""
+
+
 class Options(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -425,12 +431,32 @@ class SuppressionList:
             view = memoryview(line)
             while view:
                 view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                self._cut_back(fd, exc)
+                raise
         finally:
             os.close(fd)
         if self._journal_ino is None:  # a new file: its name must survive a crash too
             _fsync_directory(self.journal)
         self._journal_ino, self._offset = st.st_ino, self._offset + len(line)
+
+    def _cut_back(self, fd: int, failure: OSError) -> None:
+        """Cut off the line just written, whose fsync failed: the caller answers that
+        nothing was changed, so no reader may apply it (and this writer's next ``_refresh``
+        would read it back as a change of the list).  ``JournalUncertain`` if that cannot
+        be made durable either."""
+        try:
+            os.ftruncate(fd, self._offset)
+            os.fsync(fd)
+            if self._journal_ino is None:  # this append made the file: keep its name
+                _fsync_directory(self.journal)
+        except OSError as exc:
+            raise JournalUncertain(
+                f"{self.journal}: fsync failed ({failure.strerror or failure}), and so did"
+                f" cutting the line off ({exc.strerror or exc})"
+            ) from failure
 
     def _sorted_insert(self, zone: str, new: list[str]) -> None:
         ordered = self._sorted.get(zone)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.api.conftest import CONFIG, TOKEN, Api, api_running, async_test, make_config
+from tests.plugin.test_suppression_journal import fsync_failing
 from tests.support.plugins import BUNDLED
 from zoneq.config import Config, loads_config
 from zoneq.config.plugins import PluginConfig, import_plugin
@@ -264,6 +265,27 @@ async def test_unreadable_file_is_503_and_left_alone(store: QueueStore, listed: 
             assert status == 503, body
             assert "zone name -> [addresses]" in body["error"]["message"]
     assert listed.read_text() == '{"bulk": "an operator\'s mistake"}'
+
+
+@pytest.mark.parametrize(
+    ("failures", "outcome"),
+    [
+        (1, "nothing was changed"),  # the line's fsync: the line is cut off again
+        (2, "the change may or may not have been kept"),  # and the cut's fsync too
+    ],
+)
+@async_test
+async def test_an_add_whose_fsync_failed_is_503_saying_what_was_kept(
+    store: QueueStore, listed: Path, monkeypatch: pytest.MonkeyPatch, failures: int, outcome: str
+) -> None:
+    async with api_running(store, suppression_config(listed)) as api:
+        fsync_failing(monkeypatch, failures)
+        status, body = await api.call("POST", f"{S}/bulk", json={"addresses": ["a@x.test"]})
+        assert status == 503, body
+        assert f"; {outcome}, try again" in body["error"]["message"]
+        if failures == 1:  # as the answer says: not applied, here or by another process
+            assert (await check(api, "bulk", "a@x.test"))["suppressed"] is False
+            assert on_disk(listed) == {}
 
 
 @async_test

@@ -6,8 +6,10 @@ background task once it has outgrown the snapshot."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,6 +36,14 @@ def journal_size(path: Path) -> int:
     return journal.stat().st_size if journal.exists() else 0
 
 
+def live_lists(path: Path) -> list[Any]:
+    """The ``SuppressionList``s of ``path`` alive in this process (the hook's closure holds
+    one; the API's requests and this test hold whatever ``shared_list`` gave them)."""
+    gc.collect()
+    kind = bundled().SuppressionList
+    return [o for o in gc.get_objects() if isinstance(o, kind) and o.path == path]
+
+
 @async_test
 async def test_the_api_and_the_plugin_share_one_parsed_list(
     store: QueueStore, tmp_path: Path
@@ -53,6 +63,10 @@ async def test_the_api_and_the_plugin_share_one_parsed_list(
         status, _ = await api.call("DELETE", f"{S}/*", params={"address": "s9@d9.example"})
         assert status == 200
         assert await route(host, "s9@d9.example", "bulk") is None
+        # One copy in the process, the hook's and the API's: it read none of the lines
+        # the API wrote (a copy of its own would have, to see them).
+        assert live_lists(listed) == [shared]
+        assert shared is bundled().shared_list(listed)
     # Not one parse more, the snapshot untouched, two short lines written.
     assert shared.parses == 1 and shared.journal_lines == 0
     assert bundled().stamp(listed) == snapshot

@@ -6,6 +6,7 @@ the journal without the writer parsing anything."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -165,3 +166,87 @@ def test_a_deleted_journal_leaves_the_snapshot_as_the_whole_list(
     assert "bulk" not in listed.as_dict() and listed.parses == 2
     listed.add("bulk", ["next@x.test"])  # a new journal, applied from its start
     assert plugin.SuppressionList(path).as_dict()["bulk"] == ["next@x.test"]
+
+
+def _replace_by_rename(journal: Path) -> None:
+    fresh = journal.with_name("fresh.journal")
+    fresh.write_bytes(b"")
+    os.replace(fresh, journal)  # a new inode under the journal's name
+
+
+def _truncate_in_place(journal: Path) -> None:
+    os.truncate(journal, 0)  # the same inode, shorter than the reader's offset
+
+
+@pytest.mark.parametrize("emptied", [_replace_by_rename, _truncate_in_place])
+def test_a_journal_started_over_under_a_reader_is_read_from_its_start(
+    plugin: ModuleType, tmp_path: Path, emptied: Any
+) -> None:
+    """The journal started over by something this reader did not see (the snapshot's stamp
+    unchanged, so no fold it would have parsed): its offset into the old journal means
+    nothing in the new one, so it starts over from the snapshot and reads the new journal
+    whole.  Kept at its old offset it would skip a new line shorter than the old ones."""
+    path = listed_file(plugin, tmp_path, 3)
+    snapshot = plugin.stamp(path)
+    reader: Any = plugin.SuppressionList(path)  # another process's copy
+    plugin.SuppressionList(path).add("bulk", [f"long-address-{i}@x.test" for i in range(20)])
+    reader.reload_if_changed()
+    assert reader.suppressed("bulk", "long-address-7@x.test")
+
+    emptied(path.with_name(path.name + ".journal"))
+    assert plugin.SuppressionList(path).add("bulk", ["s@x.test"]) == (1, 1)  # a short line
+    assert plugin.stamp(path) == snapshot
+    reader.reload_if_changed()
+    assert reader.suppressed("bulk", "s@x.test")
+    assert not reader.suppressed("bulk", "long-address-7@x.test")
+    assert reader.parses == 2
+
+
+def fsync_failing(monkeypatch: pytest.MonkeyPatch, times: int) -> None:
+    """``os.fsync`` fails with EIO (a disk error) for its next ``times`` calls."""
+    real, left = os.fsync, [times]
+
+    def fsync(fd: int) -> None:
+        if left[0] > 0:
+            left[0] -= 1
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.parametrize("existing", [True, False], ids=["appended", "new-journal"])
+def test_a_change_whose_fsync_failed_is_cut_off_and_read_by_no_one(
+    plugin: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, existing: bool
+) -> None:
+    """The API answers that nothing was changed, so the line written before the fsync
+    failed must not be applied: not by another process's reader, nor by the writer itself
+    when it next catches up with the file."""
+    path = listed_file(plugin, tmp_path, 3)
+    writer: Any = plugin.SuppressionList(path)
+    if existing:
+        writer.add("bulk", ["before@x.test"])
+    size = journal_size(path)
+    fsync_failing(monkeypatch, 1)
+    with pytest.raises(OSError) as info:
+        writer.add("bulk", ["failed@x.test"])
+    assert not isinstance(info.value, plugin.JournalUncertain)
+    assert journal_size(path) == size
+
+    reader: Any = plugin.SuppressionList(path)  # another process's copy
+    assert not reader.suppressed("bulk", "failed@x.test")
+    assert writer.add("bulk", ["after@x.test"]) == (1, 2 if existing else 1)
+    assert not writer.suppressed("bulk", "failed@x.test")
+    reader.reload_if_changed()
+    assert reader.suppressed("bulk", "after@x.test")
+    assert not reader.suppressed("bulk", "failed@x.test")
+
+
+def test_a_change_that_cannot_be_cut_off_either_is_said_to_be_uncertain(
+    plugin: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = listed_file(plugin, tmp_path, 3)
+    writer: Any = plugin.SuppressionList(path)
+    fsync_failing(monkeypatch, 2)  # the line's fsync, then the cut's
+    with pytest.raises(plugin.JournalUncertain, match="and so did cutting the line off"):
+        writer.remove("*", "subscriber1@domain1.example")

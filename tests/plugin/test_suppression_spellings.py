@@ -14,7 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.receiver.harness import Raw, run
@@ -48,6 +48,9 @@ def plugin() -> ModuleType:
         ('"ünï"@x.test', "ünï@x.test"),  # RFC 6531 atext
         ("eve@everywhere.test.", "eve@everywhere.test"),  # the root's dot
         ('"Eve"@Bücher.Example.', "eve@xn--bcher-kva.example"),
+        ("x@bücher.test..", "x@xn--bcher-kva.test"),  # not kept a U-label: IDNA refused it
+        ("x@bücher.test\u3002", "x@xn--bcher-kva.test"),  # a full stop UTS 46 maps to "."
+        ("x@ü..", "x@xn--tda"),
         # Quotes it needs stay, in one spelling: only '"' and '\' escaped.
         ('"a b"@x.test', '"a b"@x.test'),
         ('"a\\ b"@x.test', '"a b"@x.test'),
@@ -65,10 +68,24 @@ def test_normalize_spellings(plugin: ModuleType, address: str, stored: str) -> N
 
 
 @given(st.text(alphabet='"\\. aEb@ü', max_size=12))
+@example("@ü..")  # once kept a U-label (IDNA refused the empty label), then encoded
+@example("x@bücher.test...")
 def test_normalize_is_a_fixed_point(plugin: ModuleType, address: str) -> None:
     # The list holds normalized addresses and compares normalized recipients with them.
     once = plugin.normalize(address)
     assert plugin.normalize(once) == once
+
+
+def test_a_snapshot_line_with_a_doubled_root_dot_is_matched(
+    plugin: ModuleType, tmp_path: Path
+) -> None:
+    """An operator's line ``x@bücher.test..`` suppresses the mailbox in both spellings (it
+    was once stored as a U-label, which no normalized recipient ever is)."""
+    path = tmp_path / "suppressed.json"
+    path.write_text(json.dumps({"*": ["x@bücher.test.."]}), encoding="utf-8")
+    listed = plugin.SuppressionList(path)
+    assert listed.suppressed("bulk", "x@bücher.test")
+    assert listed.suppressed("bulk", "x@xn--bcher-kva.test")
 
 
 def suppression_plugins(tmp_path: Path) -> dict[str, dict[str, object]]:

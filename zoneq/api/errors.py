@@ -100,7 +100,7 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         # Local trouble: the client keeps what it sent and tries again (SMTP's 4xx).
         log.warning("%s %s: unavailable: %s", request.method, request.path, exc, extra=REPEATS)
         if isinstance(exc, Unavailable):  # the suppression list's file, not the queue
-            text = f"{exc}; nothing was changed, try again once it is fixed"
+            text = f"{exc}; {exc.outcome}, try again once it is fixed"
         else:
             text = f"queue storage unavailable, try again later: {exc}"
         return error_response(503, text, {"Retry-After": RETRY_AFTER_S})

@@ -23,14 +23,22 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Final, Protocol, cast
+from typing import ClassVar, Final, Protocol, cast
 
 from zoneq.config import Config
 from zoneq.config.plugins import PluginImportError, import_plugin, plugin_options
 from zoneq.errors import ConfigError, NotFound, TemporaryFailure
 from zoneq.queue.intake import check_address
 
-__all__ = ["ALL_ZONES", "PLUGIN", "Check", "Page", "SuppressionLists", "Unavailable"]
+__all__ = [
+    "ALL_ZONES",
+    "PLUGIN",
+    "Check",
+    "Page",
+    "SuppressionLists",
+    "Unavailable",
+    "Uncertain",
+]
 
 log = logging.getLogger("zoneq.api")
 
@@ -41,6 +49,16 @@ ALL_ZONES: Final = "*"
 class Unavailable(TemporaryFailure):
     """The list's file cannot be read or written now (missing directory, broken JSON, a
     full disk): the operator's to fix; nothing was changed."""
+
+    outcome: ClassVar[str] = "nothing was changed"
+    """What the failed request did to the list, for its answer."""
+
+
+class Uncertain(Unavailable):
+    """A change written but neither made durable nor taken back (the plugin's
+    ``JournalUncertain``): readers may apply it or not."""
+
+    outcome: ClassVar[str] = "the change may or may not have been kept"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +94,11 @@ class _Format:
     shared: Callable[[Path], SharedList]
     save: Callable[[Path, dict[str, list[str]]], None]
     normalize: Callable[[str], str]
+    uncertain: type[OSError]
 
     @classmethod
     def of(cls, module: ModuleType) -> _Format:
-        names = ("shared_list", "save_file", "normalize")
+        names = ("shared_list", "save_file", "normalize", "JournalUncertain")
         missing = [n for n in names if not callable(getattr(module, n, None))]
         if missing:
             raise ConfigError(
@@ -91,6 +110,7 @@ class _Format:
             shared=cast(Callable[[Path], SharedList], module.shared_list),
             save=cast(Callable[[Path, dict[str, list[str]]], None], module.save_file),
             normalize=cast(Callable[[str], str], module.normalize),
+            uncertain=cast(type[OSError], module.JournalUncertain),
         )
 
 
@@ -166,7 +186,7 @@ class SuppressionLists:
         try:
             added, total = listed.add(zone, normalized)
         except OSError as exc:
-            raise Unavailable(f"suppression list {self.path} not written: {exc}") from exc
+            raise self._not_written(exc) from exc
         return added, total, listed.wants_fold()
 
     def _remove(self, zone: str, address: str) -> bool:
@@ -175,8 +195,13 @@ class SuppressionLists:
             if listed is None or not listed.remove(zone, address):
                 raise NotFound(f"{address} is not on the suppression list of {zone}")
         except OSError as exc:
-            raise Unavailable(f"suppression list {self.path} not written: {exc}") from exc
+            raise self._not_written(exc) from exc
         return listed.wants_fold()
+
+    def _not_written(self, exc: OSError) -> Unavailable:
+        if isinstance(exc, self._format.uncertain):
+            return Uncertain(f"suppression list {self.path}: {exc}")
+        return Unavailable(f"suppression list {self.path} not written: {exc}")
 
     def _check(self, zone: str, address: str) -> Check:
         listed = self._list()

@@ -78,8 +78,14 @@ def normal_domain(domain: str) -> str:
 
 def bare_domain(domain: str) -> str:
     """``normal_domain`` without the root's dot (``example.com.`` is ``example.com``): the
-    form lookups key by (routing, limits, TLS policy, the admin filters)."""
-    return normal_domain(domain).rstrip(".")
+    form lookups key by (routing, limits, TLS policy, the admin filters).
+
+    The dots go before the mapping too: IDNA refuses ``bücher.test..`` (an empty label), so
+    it would be kept as a U-label and only then lose its dots, and a second call would
+    encode it; the form must be a fixed point, or a name stored once normalized never
+    matches the same name normalized again.  After the mapping too: UTS 46 maps a final
+    full stop (``。``) to ``.``."""
+    return normal_domain(domain.rstrip(".")).rstrip(".")
 
 
 EMPTY_LABEL: Final = "empty domain label (a dot at either end, or two in a row)"
