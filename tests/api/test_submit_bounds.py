@@ -13,6 +13,7 @@ from email import message_from_bytes, policy
 from email.headerregistry import HeaderRegistry
 from email.utils import getaddresses
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -224,3 +225,45 @@ def test_an_address_field_is_read_back_one_address_at_a_time(
     assert parsed and max(parsed) <= len(named)
     read = message_from_bytes(data, policy=policy.default)["To"].addresses
     assert [(a.display_name, a.addr_spec) for a in read] == getaddresses(to)
+
+
+# From a read-through: "=?" in one display name and "?=" in a later one are one encoded-word
+# to the email package's reader, so the second address vanished from the To field.
+SPANNING = [
+    ['"=?utf-8?q?YbX www" <u1@d1.example>', '"Z ?= Doe" <u2@d2.example>'],
+    ['"=?utf-8?q?" <u0@d0.example>', '"?=." <u1@d1.example>'],  # was an IndexError: 500
+]
+
+
+@pytest.mark.parametrize("to", SPANNING)
+def test_an_opening_of_an_encoded_word_in_an_address_is_refused(to: list[str]) -> None:
+    with pytest.raises(Unacceptable, match=r"to\[0\]: no encoded-word .* nor its opening"):
+        build(Submission.model_validate({**BASE, "to": to}), hostname="mx.test", now_ms=0)
+
+
+@async_test
+async def test_a_body_sent_too_slowly_gives_its_permit_back(
+    store: QueueStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Clients holding every permit with a body that never comes are cut off after
+    JSON_READ_S (408); an ordinary submission then goes through."""
+    monkeypatch.setattr(submit, "JSON_READ_S", 0.5, raising=False)
+    monkeypatch.setattr(submit, "JSON_WAIT_S", 5.0)
+    async with api_running(store) as api:
+        where = urlsplit(api.base)
+        slow = []
+        for _ in range(submit.JSON_BUILDS):
+            reader, writer = await asyncio.open_connection(where.hostname, where.port)
+            writer.write(
+                f"POST /api/v1/messages HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode()
+            )
+            await writer.drain()
+            slow.append((reader, writer))
+        await asyncio.sleep(0.1)  # both hold a permit, reading
+        status, body = await post(api, {"to": addresses(1)})
+        assert status == 201, body
+        for reader, writer in slow:
+            answer = await asyncio.wait_for(reader.read(200), 5)
+            assert answer.startswith(b"HTTP/1.1 408"), answer
+            writer.close()

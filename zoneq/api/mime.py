@@ -369,11 +369,14 @@ def _domain(domain: str, what: str) -> str:
 def _mailbox(value: str, what: str) -> _Mailbox:
     """One ``Name <addr>`` or bare address, checked; its ``Address`` for the header."""
     _plain(value, what)
-    if _ENCODED_WORD.search(value):
+    if "=?" in value:
         # RFC 2047 section 5 keeps encoded-words out of addr-specs and quoted strings, and
-        # getaddresses splits a display name's encoded-word at a colon inside it.
+        # getaddresses splits a display name's encoded-word at a colon inside it.  Even a
+        # lone "=?" is refused: the email package reads from it to the next "?=" as one
+        # encoded-word, across the addresses after it, which would vanish from the field.
         raise Unacceptable(
-            f"{what}: no encoded-word (RFC 2047) in an address; give the name as plain text"
+            f"{what}: no encoded-word (RFC 2047) in an address, nor its opening '=?'; "
+            "give the name as plain text"
         )
     found = getaddresses([value])
     if len(found) != 1 or not found[0][1]:
@@ -478,9 +481,11 @@ def build(submission: Submission, *, hostname: str, now_ms: int) -> tuple[bytes,
         _body(msg, submission)
         data = msg.as_bytes()
     # The email package's own refusals (a second line of defence); MessageError covers
-    # HeaderParseError and, on a newer Python, HeaderWriteError (not ValueErrors).
-    except (ValueError, MessageError) as exc:
-        raise Unacceptable(str(exc)) from None
+    # HeaderParseError and, on a newer Python, HeaderWriteError (not ValueErrors).  Its
+    # parser can also fail inside its own code on what it is given (an IndexError in
+    # get_obs_local_part): the client's input too, not a fault of ours.
+    except (ValueError, MessageError, IndexError, AttributeError, TypeError) as exc:
+        raise Unacceptable(str(exc) or type(exc).__name__) from None
     return data, envelope
 
 

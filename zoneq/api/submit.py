@@ -45,6 +45,9 @@ log = logging.getLogger("zoneq.api")
 READ_SIZE = 65_536
 JSON_BUILDS: Final = 2
 JSON_WAIT_S: Final = 30.0
+# How long a JSON body may take to arrive once its permit is held: a client sending it
+# slowly would otherwise keep a permit, and with JSON_BUILDS of them refuse everyone else.
+JSON_READ_S: Final = 30.0
 BUILDS: Final = web.AppKey("json_builds", asyncio.Semaphore)
 
 
@@ -132,7 +135,16 @@ async def submit_json(request: web.Request) -> web.Response:
     # Released when the build ends: aiohttp does not cancel a handler whose client left
     # (its handler_cancellation is off), so the thread never outlives the permit.
     try:
-        raw = await request.read()
+        try:
+            async with asyncio.timeout(JSON_READ_S):
+                raw = await request.read()
+        except TimeoutError:
+            text = f"the request body did not arrive within {JSON_READ_S:g} s: nothing stored"
+            return error_response(408, text)
+        except (ClientPayloadError, ConnectionResetError) as exc:
+            # The client went away mid-body, as for the raw upload below: its doing.
+            log.info("%s %s: body cut off, nothing stored: %r", request.method, request.path, exc)
+            return error_response(400, "the body was cut off before its end: nothing stored")
         data, envelope = await asyncio.to_thread(
             _built,
             raw,
