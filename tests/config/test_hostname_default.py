@@ -115,6 +115,17 @@ def test_a_bare_address_as_an_ehlo_name_is_refused_with_its_literal(
 
 
 @pytest.mark.parametrize(("key", "text"), EHLO_KEY_PARAMS)
+@pytest.mark.parametrize("name", ["127.1", "1234", "10.0.0.1."])
+def test_a_numeric_name_as_an_ehlo_name_is_refused(key: str, text: str, name: str) -> None:
+    """Forms of an address ``ip_address`` does not take are no domain either."""
+    with pytest.raises(InvalidConfig) as info:
+        loads_config(text.format(name))
+    problems = {p.key: p.text for p in info.value.problems}
+    assert list(problems) == [key]
+    assert "last label is all digits" in problems[key]
+
+
+@pytest.mark.parametrize(("key", "text"), EHLO_KEY_PARAMS)
 @pytest.mark.parametrize(
     "name", ["[192.0.2.1]", "[IPv6:2001:db8::1]", "mx.example.com", "192.0.2.1.example.com"]
 )

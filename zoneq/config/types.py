@@ -232,6 +232,14 @@ def _check_ehlo_name(value: str) -> str:
             "(an address literal, RFC 5321 section 4.1.3), or a domain"
         )
         raise PydanticCustomError("host_name", "{reason}", {"reason": reason})
+    if not value.startswith("[") and value.rstrip(".").rpartition(".")[2].isdigit():
+        # "127.1" or "1234": an address in a form ip_address does not take, and no domain
+        # either (no top-level domain is all digits, RFC 3696 section 2).
+        reason = (
+            f"{value!r} is no domain (its last label is all digits): write a domain, or an "
+            "address literal such as '[192.0.2.1]' (RFC 5321 section 4.1.3)"
+        )
+        raise PydanticCustomError("host_name", "{reason}", {"reason": reason})
     return _check_host_name(value)
 
 
