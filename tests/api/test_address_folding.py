@@ -23,6 +23,7 @@ from tests.api.conftest import api_running, async_test
 from tests.api.test_submit import BASE, source_of
 from zoneq.api.mime import build
 from zoneq.api.models import Submission
+from zoneq.queue.intake import Unacceptable
 from zoneq.storage.store import QueueStore
 
 # The JSON key and the field it becomes, each given one mailbox.
@@ -97,12 +98,17 @@ NAME = st.lists(WORD, min_size=1, max_size=8).map(" ".join)
 # Found by a full run: the email package's parser raised TypeError on what it wrote.
 @example(name=" ".join([":", "x" * 68, ",", "."]), key="from")
 @example(name=" ".join(["x" * 70, ",", "."]), key="from")
+@example(name="=?", key="from")  # refused since ed664ac; a full run drew it
 def test_every_address_field_reads_back_as_the_mailboxes_given(name: str, key: str) -> None:
     """Property: From, To, Cc and Reply-To, with any ASCII display name, parse back to the
     same display name and addr-spec (single spaces between words: RFC 5322 3.2.2 makes a run
     of white space between words one space)."""
     given_value = f"{quoted(name)} <{ADDRESS}>"
     assume(getaddresses([given_value]) == [(name, ADDRESS)])  # what the API itself reads
+    if "=?" in name:  # an encoded-word's opening: refused, naming the key (``_mailbox``)
+        with pytest.raises(Unacceptable, match=r"nor its opening '=\?'"):
+            build(submission(key, name), hostname="mx.test", now_ms=0)
+        return
     data, _ = build(submission(key, name), hostname="mx.test", now_ms=0)
     assert read_back(data, FIELDS[key]) == [(name, ADDRESS)], folded_field(data, FIELDS[key])
 
@@ -127,6 +133,7 @@ def test_a_non_ascii_display_name_never_becomes_other_mailboxes(words: list[str]
     name = " ".join(["Zoë", *words])
     given_value = f"{quoted(name)} <{ADDRESS}>"
     assume(getaddresses([given_value]) == [(name, ADDRESS)])
+    assume("=?" not in name)  # refused (the property above checks it)
     data, _ = build(submission(key, name), hostname="mx.test", now_ms=0)
     [(got_name, got_address)] = read_back(data, FIELDS[key])
     assert got_address == ADDRESS
