@@ -24,9 +24,8 @@ platforms' lists do), and its domain is put in A-labels (a U-label and its A-lab
 one domain).  Other spellings of one mailbox compare as one too: quotes a local part does
 not need (``"eve"@x`` is ``eve@x``) and the root's dot (``eve@x.`` is ``eve@x``).
 
-This module owns the file format: ``load_file``, ``save_file``, ``normalize`` and
-``shared_list`` are what zoneq's API (``zoneq suppression ...``) uses, so the two cannot
-disagree.
+This module owns the file format: ``save_file``, ``normalize`` and ``shared_list`` are what
+zoneq's API (``zoneq suppression ...``) uses, so the two cannot disagree.
 
 Theory of operation.  The list is the JSON file (the snapshot) plus the changes made since
 it was written, in a journal beside it (``<file>.journal``): one JSON line per add or
@@ -137,14 +136,11 @@ def _parse_sets(text: str, where: Path) -> dict[str, set[str]]:
     return {zone: set(normalize(a) for a in v) for zone, v in data.items()}
 
 
-def parse(text: str, where: Path) -> dict[str, frozenset[str]]:
-    """The file's text as zone -> normalized addresses; ``ValueError`` naming the file."""
-    return {zone: frozenset(v) for zone, v in _parse_sets(text, where).items()}
-
-
 def load_file(path: Path) -> dict[str, frozenset[str]]:
-    """The snapshot alone (without the journal: ``SuppressionList`` reads both)."""
-    return parse(path.read_text(encoding="utf-8"), path)
+    """The snapshot alone (without the journal: ``SuppressionList`` reads both), as zone ->
+    normalized addresses; ``ValueError`` naming the file."""
+    parsed = _parse_sets(path.read_text(encoding="utf-8"), path)
+    return {zone: frozenset(v) for zone, v in parsed.items()}
 
 
 def journal_path(path: Path) -> Path:

@@ -132,17 +132,16 @@ class _Checked(EmailPolicy):
         # this Python it drops the quotes of a display name it folds (CPython gh-80222):
         # folded at the spaces instead, too.
         width = self.max_line_length or MAX_LINE
-        misread = self._misread(name, value, folded)
-        if _WRITTEN_WORD.search(folded) or _broken(folded) or misread:
+        # The read-back (a parse) last: the cheap tests decide most fields.
+        if _WRITTEN_WORD.search(folded) or _broken(folded) or self._misread(name, value, folded):
             # Written on one line (no limit: None), the field holds an encoded-word only
             # where its text needs one.
             wide = EmailPolicy.fold_binary(self.clone(max_line_length=None), name, value)
             if not _WRITTEN_WORD.search(wide):
                 folded = _fold_at_spaces(wide, width)
-            elif (
-                isinstance(value, AddressHeader)
-                and misread
-                and self._misread(name, value, folded, loose=True)
+            # (Misread with white space aside is misread exactly too.)
+            elif isinstance(value, AddressHeader) and self._misread(
+                name, value, folded, loose=True
             ):
                 # The package can also split an encoded-word over a fold, its closing
                 # ``?=`` encoded into the next word (``=?utf-8?b?Ojo6Og==`` CRLF

@@ -304,9 +304,10 @@ ZoneName = Annotated[str, AfterValidator(_check_zone_name)]
 """1..64 of letters, digits, ``-``, ``_``, ``.``: safe in log lines, metrics labels and keys."""
 
 HostName = Annotated[str, AfterValidator(_check_host_name)]
+"""A name usable as our EHLO argument: a domain or a bracketed address literal."""
+
 EhloName = Annotated[str, AfterValidator(_check_ehlo_name)]
 """A name zoneq gives itself in EHLO: a ``HostName`` that is not a bare IP address."""
-"""A name usable as our EHLO argument: a domain or a bracketed address literal."""
 
 Network = Annotated[str, AfterValidator(_check_network)]
 """An IP network in CIDR notation, host bits zero: ``"192.0.2.0/24"``, ``"::1/128"``."""

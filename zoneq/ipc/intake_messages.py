@@ -256,8 +256,9 @@ def decode_message(obj: object) -> ReceivedMessage:
     """A ``ReceivedMessage`` from its frame form; ``ProtocolError`` if it is not one."""
     if not isinstance(obj, list) or len(obj) not in (_MESSAGE_FIELDS, _MESSAGE_FIELDS + 1):
         raise ProtocolError("message: not a list of 11 or 12 fields")
-    msg_id, sender, size, chunks, received, ret, envid, utf8, bit8, headers, source = obj[:11]
-    zone_header = obj[11] if len(obj) > _MESSAGE_FIELDS else None
+    fields = obj[:_MESSAGE_FIELDS]
+    msg_id, sender, size, chunks, received, ret, envid, utf8, bit8, headers, source = fields
+    zone_header = obj[_MESSAGE_FIELDS] if len(obj) > _MESSAGE_FIELDS else None
     _need(all(_is_int(v) for v in (msg_id, size, chunks, received)), "message: bad numbers")
     _need(isinstance(sender, str), "message: bad sender")
     _need(all(v is None or isinstance(v, str) for v in (ret, envid)), "message: bad RET/ENVID")

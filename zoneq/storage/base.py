@@ -536,15 +536,21 @@ class StoreBase:
     def _message_zones(self, msg_id: int) -> tuple[str, ...]:
         """The zones a message has records in, from its metadata or, if that is unreadable,
         every zone with anything queued (so even a damaged message can be found)."""
+        meta = self._meta_or_none(msg_id)
+        return meta.zones if meta is not None else tuple(sorted(self._counters.zones()))
+
+    def _meta_or_none(self, msg_id: int) -> MessageMeta | None:
+        """A message's metadata as the latest staged state shows it; None if it is gone or
+        damaged (quarantined: reported once, kept on disk for the operator)."""
         key = keys.message_meta(msg_id)
         value = self._writer.read(key)
-        if value is not None:
-            try:
-                zones: tuple[str, ...] = MessageMeta.decode(key, msg_id, value).zones
-                return zones
-            except StorageCorruption as exc:
-                self._quarantine(exc)
-        return tuple(sorted(self._counters.zones()))
+        if value is None:
+            return None
+        try:
+            return MessageMeta.decode(key, msg_id, value)
+        except StorageCorruption as exc:
+            self._quarantine(exc)
+            return None
 
     def _raw_records(self, msg_id: int) -> Iterator[tuple[State, bytes, Recipient | None]]:
         """Every record of a message, decodable or not, as the latest staged state shows:

@@ -69,7 +69,7 @@ from zoneq.storage import keys
 from zoneq.storage.base import FAMILY_STATE, STATE_FAMILY, log, run_all
 from zoneq.storage.leveldb import Op
 from zoneq.storage.maintenance import MaintenanceMixin, moved_zone_note
-from zoneq.storage.records import MessageMeta, Recipient, State, decode_head
+from zoneq.storage.records import Recipient, State, decode_head
 
 MOVE_BATCH: Final = 1000
 MOVABLE: Final = (State.READY, State.DEFERRED, State.HELD)
@@ -290,17 +290,6 @@ class MovesMixin(MaintenanceMixin):
             is not None
             for family in FAMILY_STATE
         )
-
-    def _meta_or_none(self, msg_id: int) -> MessageMeta | None:
-        key = keys.message_meta(msg_id)
-        value = self._writer.read(key)
-        if value is None:
-            return None
-        try:
-            return MessageMeta.decode(key, msg_id, value)
-        except StorageCorruption as exc:
-            self._quarantine(exc)
-            return None
 
     def _moved(self, page: _Page) -> Callable[[], None]:
         """Effect of a page landing: the target zones' cursors and due marks see what came

@@ -306,7 +306,7 @@ async def deliver(
     connection slot of the job (``cache.py``); the connection is kept under it.
 
     Returns a result per recipient, in order; never raises for anything the remote host does.
-    Raises ValueError for arguments that cannot be sent (a HELO name with spaces, an ENVID or
+    Raises ValueError for arguments that cannot be sent (a HELO name with spaces, an ENVID
     that is not xtext, NOTIFY=NEVER combined with another keyword).
     """
     rcpts = [r if isinstance(r, Recipient) else Recipient(r) for r in recipients]
